@@ -1,0 +1,1 @@
+"""Execution-state capsules for low-latency inference, with a ROS 2 shell."""

@@ -1,0 +1,21 @@
+"""Plain-Python install of the ROS-free runtime: `pip install -e .`.
+
+The ROS 2 build (interfaces, node, launch files) goes through CMakeLists.txt with
+colcon; this file only serves users who want `flashrt_ros.runtime` without ROS.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name='flashrt_ros',
+    version='0.1.0',
+    description='Execution-state capsules for low-latency hybrid-model inference',
+    license='Apache-2.0',
+    packages=find_packages(include=['flashrt_ros', 'flashrt_ros.*']),
+    python_requires='>=3.10',
+    # torch is deliberately unpinned here: install the build that fits the machine
+    # (CPU, CUDA, JetPack) first; `make setup` pins the CPU build.
+    install_requires=['torch>=2.4', 'transformers>=5.0', 'safetensors', 'numpy', 'pyyaml'],
+    extras_require={'bench': ['matplotlib']},
+    entry_points={'console_scripts': ['flashrt_node = flashrt_ros.node:main']},
+)
