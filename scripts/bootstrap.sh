@@ -41,6 +41,12 @@ if [ "$(cat "$venv/.flashrt-requirements" 2>/dev/null)" != "$req_hash" ]; then
   echo "$req_hash" > "$venv/.flashrt-requirements"
 fi
 
+# A build tool the ROS wheels do not bring; take it from the package index when missing.
+if ! command -v cmake >/dev/null; then
+  log "no cmake on PATH; installing it into .venv"
+  "$vpy" -m pip install --quiet --disable-pip-version-check 'cmake>=3.22,<4'
+fi
+
 # 3. The ros-* wheels' cmake exports name the wheel build machine's Python and numpy
 #    include dirs, and parent_prefix_path entries name its prefix; point them at this venv.
 if [ ! -f "$venv/.flashrt-prefix-repaired" ]; then
