@@ -19,7 +19,7 @@ IMPORT_TO_KEY = {
     'pytest': 'python3-pytest',
     'catkin_pkg': 'python3-catkin-pkg',
 }
-LOCAL = {'flashrt_ros', 'conftest'}
+LOCAL = {'flashrt_ros', 'conftest', 'node_harness'}  # node_harness: test/node helpers
 
 
 def _python_files():

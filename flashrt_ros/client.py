@@ -1,0 +1,326 @@
+"""
+A Python client over the flashrt node's services, action and topics.
+
+Every call waits with a timeout and returns the node's answer (or raises TimeoutError);
+nothing loops forever. The client spins its own node on a background MultiThreadedExecutor,
+so its methods may be called from any thread, including from inside a token or event
+callback (a service call made there does not deadlock).
+
+    client = FlashRTClient()                    # talks to /flashrt
+    client.wait_until_active(timeout=60.0)
+    client.snapshot('home')
+    outcome = client.generate('Hello', max_new_tokens=16,
+                              feedback_callback=lambda chunk: print(chunk.text, end=''))
+    client.restore('home')
+    client.close()
+"""
+
+import itertools
+import os
+import threading
+import time
+
+from flashrt_ros.action import Generate
+from flashrt_ros.msg import CapsuleEvent, Interrupt, TokenChunk
+from flashrt_ros.srv import DeleteCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
+from lifecycle_msgs.srv import ChangeState, GetState
+import rclpy
+from rclpy.action import ActionClient
+from rclpy.callback_groups import ReentrantCallbackGroup
+from rclpy.context import Context
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
+from std_msgs.msg import Empty, String
+from std_srvs.srv import Trigger
+
+# Match the node's QoS (see flashrt_ros/node.py): reliable everywhere, a deep interrupt queue.
+_RELIABLE = {'history': HistoryPolicy.KEEP_LAST, 'reliability': ReliabilityPolicy.RELIABLE,
+             'durability': DurabilityPolicy.VOLATILE}
+STREAM_QOS = QoSProfile(depth=100, **_RELIABLE)
+INTERRUPT_QOS = QoSProfile(depth=1000, **_RELIABLE)
+COMMAND_QOS = QoSProfile(depth=10, **_RELIABLE)
+
+FINAL_CHUNK_GRACE_S = 1.0
+TRANSITIONS = ('configure', 'cleanup', 'activate', 'deactivate', 'shutdown')
+_counter = itertools.count()
+
+
+class GenerateOutcome:
+    """What a ~/generate goal came to: accepted or not, final status, result, chunks."""
+
+    def __init__(self, accepted, status=0, result=None, chunks=None, message=''):
+        self.accepted = accepted
+        self.status = status              # action_msgs/GoalStatus STATUS_* value
+        self.result = result              # Generate.Result, or None when not accepted
+        self.chunks = chunks or []        # the TokenChunk feedback received, in order
+        self.message = message or (result.message if result is not None else '')
+
+    @property
+    def token_ids(self):
+        """Return the generated token ids (empty when the goal was not accepted)."""
+        return list(self.result.token_ids) if self.result is not None else []
+
+    def __repr__(self):
+        reason = self.result.stop_reason if self.result is not None else ''
+        return (f'GenerateOutcome(accepted={self.accepted}, status={self.status}, '
+                f'tokens={len(self.token_ids)}, stop_reason={reason!r}, '
+                f'message={self.message!r})')
+
+
+class GoalRun:
+    """A ~/generate goal in flight: wait for its result or cancel it."""
+
+    def __init__(self, client, goal_handle, chunks, timeout):
+        self._client = client
+        self._goal_handle = goal_handle
+        self.chunks = chunks
+        self._timeout = timeout
+        self._result_future = goal_handle.get_result_async() if goal_handle.accepted else None
+
+    @property
+    def accepted(self):
+        """Return True when the node accepted the goal."""
+        return self._goal_handle.accepted
+
+    def cancel(self, timeout=None):
+        """Ask the node to stop at the next decode step; return the CancelGoal response."""
+        timeout = self._client.timeout if timeout is None else timeout
+        return self._client._wait(self._goal_handle.cancel_goal_async(), timeout, 'cancel')
+
+    def result(self, timeout=None):
+        """Wait for the turn to end and return a GenerateOutcome (TimeoutError if it does not)."""
+        if not self.accepted:
+            return GenerateOutcome(False, message='goal rejected by the node (a generation is '
+                                   'running and goal_policy is reject, or the node is not active)')
+        timeout = self._timeout if timeout is None else timeout
+        wrapped = self._client._wait(self._result_future, timeout, 'generate result')
+        # Feedback and result travel on different channels: the last chunk may still be on
+        # its way. Give it a moment so `chunks` ends with the final one.
+        deadline = time.monotonic() + FINAL_CHUNK_GRACE_S
+        while self.chunks and not self.chunks[-1].final and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return GenerateOutcome(True, wrapped.status, wrapped.result, list(self.chunks))
+
+
+class FlashRTClient:
+    """Client for one flashrt node (services, generate action, control topics)."""
+
+    def __init__(self, node='flashrt', namespace='', *, context=None, timeout=10.0):
+        """
+        Create the client node and start spinning it.
+
+        :param node: name of the flashrt node; `namespace` is the node's namespace.
+        :param context: an initialized rclpy Context; None makes (and later shuts down) one.
+        :param timeout: default seconds each call waits.
+        """
+        self.timeout = timeout
+        self._own_context = context is None
+        if context is None:
+            context = Context()
+            rclpy.init(context=context)
+        self.context = context
+        base = '/'.join(p for p in (namespace.strip('/'), node.strip('/')) if p)
+        self.base = '/' + base
+        self.node = rclpy.create_node(f'flashrt_client_{os.getpid()}_{next(_counter)}',
+                                      context=context)
+        group = ReentrantCallbackGroup()
+        n = self.node
+
+        def service(kind, name):
+            return n.create_client(kind, f'{self.base}/{name}', callback_group=group)
+
+        self._snapshot = service(Snapshot, 'snapshot')
+        self._restore = service(Restore, 'restore')
+        self._fork = service(Fork, 'fork')
+        self._rollback = service(Rollback, 'rollback')
+        self._list = service(ListCapsules, 'list_capsules')
+        self._delete = service(DeleteCapsule, 'delete_capsule')
+        self._digest = service(Trigger, 'state_digest')
+        self._get_state = service(GetState, 'get_state')
+        self._change_state = service(ChangeState, 'change_state')
+        self._generate = ActionClient(n, Generate, f'{self.base}/generate', callback_group=group)
+        self._prompt_pub = n.create_publisher(String, f'{self.base}/prompt', COMMAND_QOS)
+        self._interrupt_pub = n.create_publisher(Interrupt, f'{self.base}/interrupt',
+                                                 INTERRUPT_QOS)
+        self._reset_pub = n.create_publisher(Empty, f'{self.base}/reset', COMMAND_QOS)
+        self._group = group
+
+        self._executor = MultiThreadedExecutor(num_threads=4, context=context)
+        self._executor.add_node(n)
+        self._spinner = threading.Thread(target=self._spin, name='flashrt-client', daemon=True)
+        self._spinner.start()
+
+    def _spin(self):
+        try:
+            self._executor.spin()
+        except ExternalShutdownException:
+            pass
+
+    # ---- waiting -----------------------------------------------------------------------
+
+    @staticmethod
+    def _wait(future, timeout, what):
+        done = threading.Event()
+        future.add_done_callback(lambda _: done.set())
+        if not done.wait(timeout):
+            raise TimeoutError(f'{what}: no answer within {timeout:.1f} s; is the node running?')
+        return future.result()
+
+    def _call(self, client, request, timeout=None):
+        """Call one service; return its response or raise TimeoutError."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        if not client.wait_for_service(timeout_sec=timeout):
+            raise TimeoutError(f'service {client.srv_name} is not available after '
+                               f'{timeout:.1f} s; is the node running?')
+        future = client.call_async(request)
+        try:
+            return self._wait(future, max(0.0, deadline - time.monotonic()), client.srv_name)
+        except TimeoutError:
+            client.remove_pending_request(future)
+            raise
+
+    def wait_until_active(self, timeout=60.0):
+        """Wait until the node reports lifecycle state 'active'; return True if it does."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if self.get_state(timeout=max(0.1, min(2.0, deadline - time.monotonic()))) \
+                        == 'active':
+                    return self._generate.wait_for_server(
+                        timeout_sec=max(0.1, deadline - time.monotonic()))
+            except TimeoutError:
+                pass
+            time.sleep(0.1)
+        return False
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def get_state(self, timeout=None):
+        """Return the node's lifecycle state label (e.g. 'active')."""
+        return self._call(self._get_state, GetState.Request(), timeout).current_state.label
+
+    def change_state(self, transition, timeout=None):
+        """Trigger a lifecycle transition by name (configure, activate, ...); return success."""
+        if transition not in TRANSITIONS:
+            raise ValueError(f'transition {transition!r} is not one of {", ".join(TRANSITIONS)}')
+        request = ChangeState.Request()
+        request.transition.label = transition  # the node picks the one valid from its state
+        return self._call(self._change_state, request, timeout).success
+
+    # ---- capsule services --------------------------------------------------------------
+
+    def snapshot(self, name, tier='device', pinned=False, timeout=None):
+        """Snapshot the live state as capsule `name`; return the Snapshot response."""
+        return self._call(self._snapshot,
+                          Snapshot.Request(name=name, tier=tier, pinned=pinned), timeout)
+
+    def restore(self, name, mode='full', timeout=None):
+        """Make capsule `name` the live state; return the Restore response."""
+        return self._call(self._restore, Restore.Request(name=name, mode=mode), timeout)
+
+    def fork(self, source, target, tier='', timeout=None):
+        """Copy capsule `source` to `target`; return the Fork response."""
+        return self._call(self._fork, Fork.Request(source=source, target=target, tier=tier),
+                          timeout)
+
+    def rollback(self, boundaries=1, timeout=None):
+        """Go back `boundaries` committed boundaries; return the Rollback response."""
+        return self._call(self._rollback, Rollback.Request(boundaries=boundaries), timeout)
+
+    def list_capsules(self, tier='', timeout=None):
+        """Return the ListCapsules response (capsules of `tier`, or all)."""
+        return self._call(self._list, ListCapsules.Request(tier=tier), timeout)
+
+    def delete_capsule(self, name, timeout=None):
+        """Delete capsule `name`; return the DeleteCapsule response."""
+        return self._call(self._delete, DeleteCapsule.Request(name=name), timeout)
+
+    def state_digest(self, timeout=None):
+        """Return the sha256 hex digest of the node's live state (RuntimeError if refused)."""
+        response = self._call(self._digest, Trigger.Request(), timeout)
+        if not response.success:
+            raise RuntimeError(response.message)
+        return response.message
+
+    # ---- generation --------------------------------------------------------------------
+
+    def start_generate(self, prompt='', *, token_ids=(), max_new_tokens=0, temperature=0.0,
+                       top_k=0, top_p=1.0, seed=-1, stop=(), start_from='', save_as='',
+                       save_tier='', feedback_callback=None, timeout=None):
+        """Send a ~/generate goal and return a GoalRun once the node accepted or rejected it."""
+        timeout = self.timeout if timeout is None else timeout
+        if not self._generate.wait_for_server(timeout_sec=timeout):
+            raise TimeoutError(f'action {self.base}/generate is not available after '
+                               f'{timeout:.1f} s; is the node running?')
+        goal = Generate.Goal(prompt=prompt, token_ids=list(token_ids),
+                             max_new_tokens=max_new_tokens, temperature=temperature,
+                             top_k=top_k, top_p=top_p, seed=seed, stop=list(stop),
+                             start_from=start_from, save_as=save_as, save_tier=save_tier)
+        chunks = []
+
+        def on_feedback(message):
+            chunk = message.feedback.chunk
+            chunks.append(chunk)
+            if feedback_callback is not None:
+                feedback_callback(chunk)
+
+        future = self._generate.send_goal_async(goal, feedback_callback=on_feedback)
+        goal_handle = self._wait(future, timeout, 'generate goal')
+        return GoalRun(self, goal_handle, chunks, timeout)
+
+    def generate(self, prompt='', *, timeout=60.0, **kwargs):
+        """Run one turn and return its GenerateOutcome (keywords as in start_generate)."""
+        run = self.start_generate(prompt, timeout=min(timeout, self.timeout), **kwargs)
+        return run.result(timeout)
+
+    # ---- topics ------------------------------------------------------------------------
+
+    def publish_prompt(self, text):
+        """Start a turn through ~/prompt (no feedback; watch ~/tokens)."""
+        self._prompt_pub.publish(String(data=text))
+
+    def interrupt(self, mode=Interrupt.POLICY, boundaries=0, capsule='', reason=''):
+        """Publish an Interrupt message: mode POLICY, STOP, ROLLBACK or RESTORE."""
+        self._interrupt_pub.publish(Interrupt(mode=mode, boundaries=boundaries,
+                                              capsule=capsule, reason=reason))
+
+    def reset(self):
+        """Publish ~/reset: the node stops and restores its home capsule."""
+        self._reset_pub.publish(Empty())
+
+    def subscribe_tokens(self, callback):
+        """Call callback(TokenChunk) for every chunk on ~/tokens; return the subscription."""
+        return self.node.create_subscription(TokenChunk, f'{self.base}/tokens', callback,
+                                             STREAM_QOS, callback_group=self._group)
+
+    def subscribe_events(self, callback):
+        """Call callback(CapsuleEvent) for every event on ~/events; return the subscription."""
+        return self.node.create_subscription(CapsuleEvent, f'{self.base}/events', callback,
+                                             STREAM_QOS, callback_group=self._group)
+
+    def wait_for_subscribers(self, timeout=5.0):
+        """Wait until the node subscribes to ~/interrupt, ~/reset and ~/prompt."""
+        deadline = time.monotonic() + timeout
+        pubs = (self._interrupt_pub, self._reset_pub, self._prompt_pub)
+        while time.monotonic() < deadline:
+            if all(p.get_subscription_count() > 0 for p in pubs):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def close(self):
+        """Stop spinning and destroy the client node (and its context if it made one)."""
+        self._executor.shutdown(timeout_sec=2.0)
+        self._spinner.join(timeout=2.0)
+        self.node.destroy_node()
+        if self._own_context:
+            rclpy.try_shutdown(context=self.context)
+
+    def __enter__(self):
+        """Return self (use as a context manager to close automatically)."""
+        return self
+
+    def __exit__(self, *exc):
+        """Close the client."""
+        self.close()

@@ -1,0 +1,255 @@
+"""
+The `make demo` session: what execution-state capsules buy a robot stack, over ROS 2.
+
+Starts the flashrt node as a process on the embedded model, then, as a client over DDS:
+prefill a system prompt and snapshot `home` (the node does that at activation); stream a
+reply; interrupt mid-reply and time interrupt -> restored state; fork a branch and show both
+branches continue independently; restore `home` and show the reply is token-identical; save
+to disk, restart the node, restore from disk. Prints a short report, stops the node by PID
+and exits 0 when every check holds.
+"""
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+SYSTEM_PROMPT = 'You are a helpful robot. Keep answers short.'
+QUESTION = 'User: where is the red cup?\nRobot:'
+
+
+class _Report:
+    """Numbered report lines plus a tally of the checks."""
+
+    def __init__(self):
+        self.failures = []
+        self.step = 0
+
+    def section(self, title):
+        self.step += 1
+        print(f'\n[{self.step}] {title}', flush=True)
+
+    def line(self, text):
+        print(f'    {text}', flush=True)
+
+    def check(self, ok, text):
+        mark = 'ok ' if ok else 'FAIL'
+        print(f'    [{mark}] {text}', flush=True)
+        if not ok:
+            self.failures.append(text)
+        return ok
+
+
+def _shown(text, limit=60):
+    """Printable excerpt of model output (the embedded model's bytes are random)."""
+    shown = text.encode('unicode_escape').decode('ascii')
+    return '"' + shown[:limit] + ('...' if len(shown) > limit else '') + '"'
+
+
+class _NodeProcess:
+    """The flashrt node in its own process, stopped by PID."""
+
+    def __init__(self, workdir, params):
+        os.makedirs(workdir, exist_ok=True)
+        params_file = os.path.join(workdir, 'flashrt_demo.yaml')
+        with open(params_file, 'w') as f:
+            f.write('/**:\n  ros__parameters:\n')
+            for key, value in params.items():
+                f.write(f'    {key}: {value!r}\n' if isinstance(value, str)
+                        else f'    {key}: {value}\n')
+        exe = shutil.which('flashrt_node')
+        cmd = [exe] if exe else [sys.executable, '-m', 'flashrt_ros']
+        self.log_path = os.path.join(workdir, 'node.log')
+        self._log = open(self.log_path, 'a')
+        # cwd outside the source tree: `flashrt_ros` must import from the installed package.
+        self.proc = subprocess.Popen(cmd + ['--ros-args', '--params-file', params_file],
+                                     stdout=self._log, stderr=subprocess.STDOUT, cwd=workdir)
+
+    def stop(self, timeout=30.0):
+        """SIGINT, then SIGKILL after timeout; return the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+
+def _start(workdir, params, report, label):
+    from flashrt_ros.client import FlashRTClient
+    t0 = time.monotonic()
+    node = _NodeProcess(workdir, params)
+    client = FlashRTClient('flashrt', timeout=30.0)
+    if not client.wait_until_active(timeout=180.0):
+        client.close()
+        code = node.stop()
+        with open(node.log_path) as f:
+            tail = f.read()[-3000:]
+        raise RuntimeError(f'the node did not become active (exit code {code}); log:\n{tail}')
+    client.wait_for_subscribers(10.0)
+    report.line(f'{label}: node pid {node.proc.pid} active in {time.monotonic() - t0:.1f} s')
+    return node, client
+
+
+def _run_session(client, report, events):
+    from flashrt_ros.msg import Interrupt
+
+    report.section('Prefill the system prompt and snapshot `home` (done at activation)')
+    home = {c.name: c for c in client.list_capsules().capsules}['home']
+    report.line(f'home: {home.position} tokens of system prompt, {home.size_bytes} bytes on '
+                f'{home.tier}, components {", ".join(home.components)}')
+    home_digest = client.state_digest()
+
+    report.section('Generate a reply while streaming tokens')
+    streamed = []
+    first = client.generate(QUESTION, max_new_tokens=24,
+                            feedback_callback=lambda c: streamed.append(c.text))
+    r = first.result
+    report.line(f'streamed {len(first.chunks)} chunks: {_shown("".join(streamed))}')
+    report.line(f'{len(r.token_ids)} tokens, time to first token {r.time_to_first_token_ms:.1f} '
+                f'ms, {r.tokens_per_second:.0f} tokens/s')
+    report.check(r.success and len(r.token_ids) == 24, 'reply complete')
+
+    report.section('Interrupt mid-reply (barge-in) and restore `home`')
+    assert client.restore('home').success
+    start = len(events)
+    run = client.start_generate(QUESTION, max_new_tokens=400)
+    deadline = time.monotonic() + 30.0
+    while len(run.chunks) < 8 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    client.interrupt(mode=Interrupt.RESTORE, capsule='home', reason='barge-in')
+    stopped = run.result(30.0)
+    event = _wait_event(events, start, 'interrupt')
+    report.line(f'stopped after {len(stopped.token_ids)} of 400 tokens '
+                f'(stop reason {stopped.result.stop_reason})')
+    if event is not None:
+        step_ms = 1e3 / r.tokens_per_second if r.tokens_per_second else 0.0
+        report.line(f'interrupt -> restored state: {event.latency_ms:.2f} ms from message '
+                    f'receipt (includes finishing the current decode step, ~{step_ms:.1f} ms '
+                    f'here; {event.size_bytes} bytes copied)')
+    report.check(event is not None and event.success, 'interrupt event reports success')
+    report.check(client.state_digest() == home_digest,
+                 'live state is byte-identical to `home` (state digest)')
+
+    report.section('Fork a branch; both branches continue independently')
+    assert client.generate(' The cup is on the table.', start_from='home', save_as='branch_a',
+                           max_new_tokens=8).result.success
+    fork = client.fork('branch_a', 'branch_b')
+    report.line(f'fork branch_a -> branch_b: {fork.latency_ms:.3f} ms, '
+                f'{fork.capsule.size_bytes} bytes')
+    a1 = client.generate(' Go left.', start_from='branch_a', max_new_tokens=8)
+    b1 = client.generate(' Go right.', start_from='branch_b', max_new_tokens=8)
+    a2 = client.generate(' Go left.', start_from='branch_a', max_new_tokens=8)
+    report.line(f'branch_a + "Go left.":  {_shown(a1.result.text, 40)}')
+    report.line(f'branch_b + "Go right.": {_shown(b1.result.text, 40)}')
+    report.check(fork.success and a1.token_ids == a2.token_ids,
+                 'branch_a continues identically after branch_b ran (independent)')
+    report.check(a1.token_ids != b1.token_ids, 'the branches diverge on different input')
+
+    report.section('Restore `home` and ask again')
+    restore = client.restore('home')
+    again = client.generate(QUESTION, max_new_tokens=24)
+    report.line(f'restore home: {restore.latency_ms:.3f} ms')
+    same = sum(x == y for x, y in zip(again.token_ids, first.token_ids))
+    report.check(again.token_ids == first.token_ids,
+                 f'reply is token-identical to the first one ({same}/{len(first.token_ids)})')
+
+    report.section('Save the session to disk')
+    assert client.restore('home').success
+    assert client.generate(' Remember: the cup is red.', max_new_tokens=8).result.success
+    snap = client.snapshot('session', tier='disk')
+    report.line(f'snapshot session -> disk: {snap.capsule.size_bytes} bytes, '
+                f'{snap.latency_ms:.2f} ms (checksummed, written atomically)')
+    report.check(snap.success, 'disk snapshot taken')
+    session_digest = client.state_digest()
+    reference = client.generate(' What colour is the cup?', max_new_tokens=12)
+    return session_digest, reference.token_ids
+
+
+def _wait_event(events, start, operation, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for event in events[start:]:
+            if event.operation == operation:
+                return event
+        time.sleep(0.01)
+    return None
+
+
+def _restart_and_restore(node, client, workdir, params, report, session_digest, reference):
+    report.section('Restart the node and restore from disk')
+    client.close()
+    code = node.stop()
+    report.check(code == 0, f'node stopped with SIGINT, exit code {code}')
+    node, client = _start(workdir, params, report, 'restarted')
+    listed = {c.name: c for c in client.list_capsules().capsules}
+    report.check('session' in listed and listed['session'].tier == 'disk',
+                 'the new process finds `session` in the capsule directory')
+    restore = client.restore('session')
+    report.line(f'restore session from disk: {restore.latency_ms:.2f} ms '
+                f'(read + checksum verify + copy)')
+    report.check(restore.success and client.state_digest() == session_digest,
+                 'restored state is byte-identical to the one saved before the restart')
+    cont = client.generate(' What colour is the cup?', max_new_tokens=12)
+    report.check(cont.token_ids == reference,
+                 'continuation is token-identical to the one before the restart')
+    return node, client
+
+
+def main(argv=None):
+    """Run the demo; return 0 when every check passed."""
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument('--model', default='builtin:tiny-hybrid')
+    parser.add_argument('--device', default='cpu')
+    parser.add_argument('--keep', action='store_true', help='keep the work directory')
+    args = parser.parse_args(argv)
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+    workdir = tempfile.mkdtemp(prefix='flashrt_demo_')
+    params = {'model': args.model, 'device': args.device, 'max_seq_len': 1024,
+              'capsule_dir': os.path.join(workdir, 'capsules'), 'system_prompt': SYSTEM_PROMPT,
+              'interrupt_policy': 'stop'}
+    report = _Report()
+    print(f'flashrt_ros demo: model {args.model} on {args.device}'
+          + (' (random weights: the text is not meaningful; the state handling is real)'
+             if args.model.startswith('builtin:') else ''), flush=True)
+    node = client = None
+    try:
+        node, client = _start(workdir, params, report, 'started')
+        events = []
+        client.subscribe_events(events.append)
+        time.sleep(0.3)
+        digest, reference = _run_session(client, report, events)
+        node, client = _restart_and_restore(node, client, workdir, params, report, digest,
+                                            reference)
+    except Exception as exc:
+        report.failures.append(repr(exc))
+        print(f'\nerror: {exc}', file=sys.stderr)
+    finally:
+        if client is not None:
+            client.close()
+        if node is not None:
+            node.stop()
+        if args.keep:
+            print(f'work directory kept: {workdir}')
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    if report.failures:
+        print(f'\n{len(report.failures)} check(s) failed: ' + '; '.join(report.failures))
+        return 1
+    print('\nall checks passed')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,930 @@
+"""
+The `flashrt` lifecycle node: ROS 2 services, an action and topics over flashrt_ros.runtime.
+
+The node only translates between ROS and the runtime; every state rule (commit boundaries,
+all-or-nothing restore, fingerprints, budgets) lives in the runtime.
+
+Concurrency
+  * One generation thread (not an executor thread) runs every turn, from ~/generate goals
+    and ~/prompt messages, one at a time, from a queue.
+  * Callbacks that change the live state (capsule services, ~/interrupt, ~/reset, ~/prompt)
+    share one MutuallyExclusiveCallbackGroup: one writer. Cheap queries (list, state
+    digest, diagnostics) use a separate reentrant group and never wait for the writers.
+  * A restore or rollback *service* never waits for a generation: while one runs it answers
+    success=false (a service must not block for an unbounded turn). ~/interrupt and ~/reset
+    stop the generation (runtime.interrupt(), effective before the next decode step), wait
+    for the generation thread to reach that step boundary, then restore.
+  * The generation thread never waits on the executor, so a client that calls a service from
+    inside its token callback cannot deadlock the node.
+"""
+
+import collections
+import contextlib
+import signal
+import sys
+import threading
+import time
+
+from builtin_interfaces.msg import Time
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from flashrt_ros.action import Generate
+from flashrt_ros.msg import CapsuleEvent, CapsuleInfo, Interrupt, TokenChunk
+from flashrt_ros.runtime import BusyError, FlashRTError, Runtime, RuntimeConfig
+from flashrt_ros.srv import DeleteCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
+from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
+from rcl_interfaces.msg import ParameterType, SetParametersResult
+import rclpy
+from rclpy.action import ActionServer, CancelResponse, GoalResponse
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
+from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
+from rclpy.signals import SignalHandlerOptions
+from std_msgs.msg import Empty, String
+from std_srvs.srv import Trigger
+
+NODE_NAME = 'flashrt'
+BUSY_MESSAGE = 'a generation is running; cancel it or publish ~/interrupt'
+INTERRUPT_POLICIES = ('stop', 'rollback', 'restore_home')
+GOAL_POLICIES = ('reject', 'queue')
+CHOICES = {
+    'dtype': ('float32', 'bfloat16', 'float16'),
+    'eviction': ('refuse', 'lru'),
+    'interrupt_policy': INTERRUPT_POLICIES,
+    'goal_policy': GOAL_POLICIES,
+}
+# Parameters that build the Runtime; a change takes effect at the next configure.
+RUNTIME_PARAMS = ('model', 'device', 'dtype', 'max_seq_len', 'device_budget_bytes',
+                  'host_budget_bytes', 'disk_budget_bytes', 'capsule_dir', 'eviction',
+                  'cuda_graphs', 'rollback_depth', 'seed')
+_MAX_INT = 2 ** 62
+
+# QoS, chosen on purpose:
+# - ~/tokens and ~/events: RELIABLE so a speech or UI consumer sees every chunk and every
+#   capsule operation in order; KEEP_LAST 100 bounds what a stalled subscriber can pile up;
+#   VOLATILE because a late joiner has no use for old tokens.
+STREAM_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=100,
+                        reliability=ReliabilityPolicy.RELIABLE,
+                        durability=DurabilityPolicy.VOLATILE)
+# - ~/interrupt: RELIABLE with a deep queue (1000): an interrupt (e-stop, barge-in) must never
+#   be dropped, even in a burst while the state group is busy. Publishers must be RELIABLE too.
+INTERRUPT_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1000,
+                           reliability=ReliabilityPolicy.RELIABLE,
+                           durability=DurabilityPolicy.VOLATILE)
+# - ~/prompt and ~/reset: RELIABLE commands, a short queue is enough.
+COMMAND_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=10,
+                         reliability=ReliabilityPolicy.RELIABLE,
+                         durability=DurabilityPolicy.VOLATILE)
+# - /diagnostics: the system default (reliable, depth 10), what diagnostic_aggregator expects.
+DIAGNOSTICS_QOS = 10
+
+
+def _descriptor(description, *, read_only=False, integer=None, floating=None, ptype=None,
+                constraints=''):
+    """Build a ParameterDescriptor with an optional integer or floating-point range."""
+    d = ParameterDescriptor(description=description, read_only=read_only,
+                            additional_constraints=constraints)
+    if ptype is not None:
+        d.type = ptype
+    if integer is not None:
+        d.integer_range = [IntegerRange(from_value=integer[0], to_value=integer[1], step=1)]
+    if floating is not None:
+        d.floating_point_range = [FloatingPointRange(from_value=floating[0],
+                                                     to_value=floating[1], step=0.0)]
+    return d
+
+
+def _stamp(seconds):
+    """Convert unix seconds (float) to builtin_interfaces/Time."""
+    sec = int(seconds)
+    return Time(sec=sec, nanosec=int((seconds - sec) * 1e9))
+
+
+def _info_msg(info):
+    """Convert a runtime CapsuleInfo to the CapsuleInfo message."""
+    return CapsuleInfo(name=info.name, tier=info.tier, size_bytes=int(info.nbytes),
+                       position=int(info.position), created=_stamp(info.created),
+                       checksum=info.checksum, fingerprint=info.fingerprint,
+                       components=list(info.components), pinned=bool(info.pinned))
+
+
+class _Turn:
+    """One generation turn waiting for, or running on, the generation thread."""
+
+    def __init__(self, goal, goal_handle=None):
+        self.goal = goal                  # Generate.Goal (a ~/prompt message becomes one too)
+        self.goal_handle = goal_handle    # None for ~/prompt turns
+        self.cancel_requested = False     # set by the action's cancel callback
+        self.result = Generate.Result()
+        self.done = threading.Event()
+
+
+class FlashRTNode(LifecycleNode):
+    """Managed node serving capsule services, the generate action and the control topics."""
+
+    def __init__(self, **kwargs):
+        super().__init__(NODE_NAME, **kwargs)
+        self._declare_parameters()
+        self.add_on_set_parameters_callback(self._validate_parameters)
+
+        self._runtime = None
+        self._active = False
+        self._home_ready = False
+        # Generation thread bookkeeping, all guarded by _cv.
+        self._cv = threading.Condition()
+        self._queue = collections.deque()   # turns not started yet
+        self._current = None                # the turn on the generation thread
+        self._holds = 0                     # state operations that keep new turns from starting
+        self._reserved = 0                  # accepted turns not finished (queued + running)
+        self._worker = None
+        self._worker_stop = False
+        self._turns_by_goal = {}
+        self._turn_id = 0
+
+        self._state_group = MutuallyExclusiveCallbackGroup()
+        self._query_group = ReentrantCallbackGroup()
+        self._action_group = ReentrantCallbackGroup()
+
+        # Lifecycle publishers only publish while the node is active.
+        self._tokens_pub = self.create_lifecycle_publisher(TokenChunk, '~/tokens', STREAM_QOS)
+        self._events_pub = self.create_lifecycle_publisher(CapsuleEvent, '~/events', STREAM_QOS)
+        # Diagnostics report in every state (also why the node is not active).
+        self._diag_pub = self.create_publisher(DiagnosticArray, '/diagnostics', DIAGNOSTICS_QOS)
+
+        state, query = self._state_group, self._query_group
+        self.create_service(Snapshot, '~/snapshot', self._snapshot_callback, callback_group=state)
+        self.create_service(Restore, '~/restore', self._restore_callback, callback_group=state)
+        self.create_service(Fork, '~/fork', self._fork_callback, callback_group=state)
+        self.create_service(Rollback, '~/rollback', self._rollback_callback, callback_group=state)
+        self.create_service(DeleteCapsule, '~/delete_capsule', self._delete_callback,
+                            callback_group=state)
+        self.create_service(ListCapsules, '~/list_capsules', self._list_callback,
+                            callback_group=query)
+        self.create_service(Trigger, '~/state_digest', self._digest_callback,
+                            callback_group=query)
+
+        self._action_server = ActionServer(
+            self, Generate, '~/generate', self._execute_callback,
+            callback_group=self._action_group,
+            goal_callback=self._goal_callback,
+            handle_accepted_callback=self._handle_accepted_callback,
+            cancel_callback=self._cancel_callback)
+
+        self.create_subscription(String, '~/prompt', self._prompt_callback, COMMAND_QOS,
+                                 callback_group=state)
+        self.create_subscription(Interrupt, '~/interrupt', self._interrupt_callback,
+                                 INTERRUPT_QOS, callback_group=state)
+        self.create_subscription(Empty, '~/reset', self._reset_callback, COMMAND_QOS,
+                                 callback_group=state)
+        period = self.get_parameter('diagnostics_period').value
+        self.create_timer(period, self._diagnostics_callback, callback_group=query)
+
+    # ---- parameters ------------------------------------------------------------------
+
+    def _declare_parameters(self):
+        rebuild = ' Takes effect at the next configure.'
+        string_array = ParameterType.PARAMETER_STRING_ARRAY
+        params = [
+            ('autostart', True, _descriptor(
+                'Walk through configure and activate at startup, so a plain `ros2 run` serves.')),
+            ('model', 'builtin:tiny-hybrid', _descriptor(
+                'Model: builtin:<id> (random weights, no download) or a local checkpoint '
+                'directory (save_pretrained folder with its tokenizer).' + rebuild)),
+            ('device', 'cpu', _descriptor('Device: cpu, cuda or cuda:N.' + rebuild,
+                                          constraints='cpu | cuda | cuda:N')),
+            ('dtype', 'float32', _descriptor('Weight and state dtype.' + rebuild,
+                                             constraints='float32 | bfloat16 | float16')),
+            ('max_seq_len', 4096, _descriptor(
+                'KV capacity in tokens; the state arena is sized for it.' + rebuild,
+                integer=(8, 1 << 20))),
+            ('device_budget_bytes', 256 << 20, _descriptor(
+                'Byte budget of the device capsule tier (0 = unlimited).' + rebuild,
+                integer=(0, _MAX_INT))),
+            ('host_budget_bytes', 1 << 30, _descriptor(
+                'Byte budget of the host-memory capsule tier (0 = unlimited).' + rebuild,
+                integer=(0, _MAX_INT))),
+            ('disk_budget_bytes', 4 << 30, _descriptor(
+                'Byte budget of the capsule directory (0 = unlimited).' + rebuild,
+                integer=(0, _MAX_INT))),
+            ('capsule_dir', '~/.cache/flashrt_ros/capsules', _descriptor(
+                'Directory of the disk tier; capsules there outlive the node.' + rebuild)),
+            ('eviction', 'refuse', _descriptor(
+                'When a tier is full: refuse the snapshot, or evict least-recently-used '
+                'unpinned capsules.' + rebuild, constraints='refuse | lru')),
+            ('cuda_graphs', True, _descriptor(
+                'Capture the decode step as a CUDA graph at activation (ignored on CPU).'
+                + rebuild)),
+            ('rollback_depth', 8, _descriptor(
+                'Committed boundaries kept for ~/rollback.' + rebuild, integer=(0, 1024))),
+            ('seed', 0, _descriptor('Initial sampler seed.' + rebuild,
+                                    integer=(0, 2 ** 31 - 1))),
+            ('home_capsule', 'home', _descriptor(
+                'Name of the capsule taken at activation (system prompt prefilled); '
+                '~/reset and the restore_home policy restore it.')),
+            ('system_prompt', 'You are a helpful robot.', _descriptor(
+                'Text prefilled at activation before the home capsule is taken (may be empty).')),
+            ('interrupt_policy', 'stop', _descriptor(
+                'What an interrupt (or a goal cancel) does after stopping at the step '
+                'boundary: stop (keep that state), rollback (one committed boundary back) or '
+                'restore_home.', constraints='stop | rollback | restore_home')),
+            ('goal_policy', 'reject', _descriptor(
+                'A generation request while one is running or queued: reject it, or queue it.',
+                constraints='reject | queue')),
+            ('max_new_tokens', 64, _descriptor(
+                'Token limit of a turn when the goal says 0 (and for ~/prompt).',
+                integer=(1, 1 << 20))),
+            ('token_chunk', 1, _descriptor(
+                'Tokens per TokenChunk on ~/tokens and in the action feedback.',
+                integer=(1, 4096))),
+            ('stop_strings', [], _descriptor(
+                'Stop strings used when a goal gives none (and for ~/prompt).',
+                ptype=string_array)),
+            ('interrupt_timeout', 5.0, _descriptor(
+                'Seconds ~/interrupt, ~/reset and deactivate wait for the generation to reach '
+                'a step boundary.', floating=(0.01, 600.0))),
+            ('diagnostics_period', 1.0, _descriptor(
+                'Seconds between /diagnostics messages (read at startup).',
+                floating=(0.05, 3600.0))),
+        ]
+        for name, default, descriptor in params:
+            self.declare_parameter(name, default, descriptor)
+        for parameter in self.get_parameters(list(CHOICES)):
+            problem = self._choice_problem(parameter.name, parameter.value)
+            if problem:
+                self.get_logger().error(problem)
+
+    @staticmethod
+    def _choice_problem(name, value):
+        allowed = CHOICES.get(name)
+        if allowed is not None and value not in allowed:
+            return f'parameter {name}={value!r} is not valid; use one of {", ".join(allowed)}'
+        return ''
+
+    def _validate_parameters(self, parameters):
+        for parameter in parameters:
+            problem = self._choice_problem(parameter.name, parameter.value)
+            if problem:
+                return SetParametersResult(successful=False, reason=problem)
+        return SetParametersResult(successful=True)
+
+    def _param(self, name):
+        return self.get_parameter(name).value
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def on_configure(self, state):
+        """Load the model and allocate the state arena."""
+        try:
+            for name in CHOICES:
+                problem = self._choice_problem(name, self._param(name))
+                if problem:
+                    raise FlashRTError(problem)
+            values = {name: self._param(name) for name in RUNTIME_PARAMS}
+            t0 = time.perf_counter()
+            self._runtime = Runtime(RuntimeConfig.from_dict(values))
+        except Exception as exc:  # FlashRTError, or an import/OS error loading the model
+            self.get_logger().error(f'configure failed: {exc}; fix the parameters and configure '
+                                    'again (lifecycle ~/change_state)')
+            self._runtime = None
+            return TransitionCallbackReturn.FAILURE
+        rt = self._runtime
+        self.get_logger().info(
+            f'configured {values["model"]} on {values["device"]} ({values["dtype"]}): state '
+            f'{rt.state_nbytes} bytes {list(rt.components)} in {time.perf_counter() - t0:.1f} s')
+        self._start_worker()
+        return super().on_configure(state)
+
+    def on_activate(self, state):
+        """Warm up, prefill the system prompt and snapshot the home capsule."""
+        rt = self._runtime
+        home = self._param('home_capsule')
+        info = None
+        try:
+            rt.warmup()
+            if not self._home_ready:
+                rt.reset()
+                prompt = self._param('system_prompt')
+                if prompt:
+                    rt.prefill(prompt)
+                info = rt.snapshot(home, 'device', pinned=True)
+                self._home_ready = True
+        except Exception as exc:
+            self.get_logger().error(f'activate failed: {exc}')
+            return TransitionCallbackReturn.FAILURE
+        result = super().on_activate(state)  # activates the lifecycle publishers
+        with self._cv:
+            self._active = True
+        if info is not None:
+            self._publish_event('snapshot', info.name, info.tier, info.nbytes,
+                                info.latency_s * 1e3, True,
+                                f'home capsule at position {info.position}')
+        self.get_logger().info(f'active: home capsule {home!r} at position {rt.position}')
+        return result
+
+    def on_deactivate(self, state):
+        """Stop the running generation at its next step and drop queued turns."""
+        with self._cv:
+            self._active = False
+        self._drop_queued('the node was deactivated before the turn started')
+        with self._generation_stopped() as stopped:
+            if not stopped:
+                self.get_logger().warning('the generation did not stop within interrupt_timeout')
+        return super().on_deactivate(state)
+
+    def on_cleanup(self, state):
+        """Free the model, arena and memory capsules (disk capsules stay)."""
+        self._release_runtime()
+        return super().on_cleanup(state)
+
+    def on_shutdown(self, state):
+        """Stop everything, from any state."""
+        with self._cv:
+            self._active = False
+        self._drop_queued('the node is shutting down')
+        with self._generation_stopped():
+            pass
+        self._release_runtime()
+        return super().on_shutdown(state)
+
+    def on_error(self, state):
+        """Free what is left; the node goes back to unconfigured."""
+        self.get_logger().error(f'lifecycle error in state {state.label}; cleaning up')
+        with self._cv:
+            self._active = False
+        self._release_runtime()
+        return TransitionCallbackReturn.SUCCESS
+
+    def _release_runtime(self):
+        self._stop_worker()
+        if self._runtime is not None:
+            try:
+                self._runtime.close()
+            except Exception as exc:
+                self.get_logger().warning(f'closing the runtime: {exc}')
+        self._runtime = None
+        self._home_ready = False
+
+    def _state_label(self):
+        if self._active:
+            return 'active'
+        return 'inactive' if self._runtime is not None else 'unconfigured'
+
+    def _not_active_message(self):
+        return (f'the node is {self._state_label()}; configure and activate it '
+                '(lifecycle ~/change_state) first')
+
+    # ---- events and errors -----------------------------------------------------------
+
+    def _publish_event(self, operation, name, tier, size_bytes, latency_ms, success, message):
+        if not self._active:
+            return
+        rt = self._runtime
+        event = CapsuleEvent(operation=operation, name=name or '', tier=tier or '',
+                             size_bytes=max(0, int(size_bytes)), latency_ms=float(latency_ms),
+                             position=int(rt.position) if rt is not None else 0,
+                             success=bool(success), message=message)
+        event.header.stamp = self.get_clock().now().to_msg()
+        self._events_pub.publish(event)
+
+    def _serve(self, operation, name, tier, response, op):
+        """Run op() -> (info, message) and fill response; every failure -> success=false."""
+        if not self._active:
+            response.success, response.message = False, self._not_active_message()
+            return response
+        try:
+            info, message = op()
+        except FlashRTError as exc:
+            message = BUSY_MESSAGE if isinstance(exc, BusyError) else str(exc)
+            self.get_logger().warning(f'{operation} {name!r} failed: {message}')
+            self._publish_event(operation, name, tier, 0, 0.0, False, message)
+            response.success, response.message = False, message
+            return response
+        except Exception as exc:  # a bug, not bad input: report it and keep serving
+            message = f'internal error in {operation}: {exc!r}'
+            self.get_logger().error(message)
+            self._publish_event(operation, name, tier, 0, 0.0, False, message)
+            response.success, response.message = False, message
+            return response
+        response.success, response.message = True, message
+        if info is not None:
+            self._publish_event(operation, info.name, info.tier, info.nbytes,
+                                info.latency_s * 1e3, True, message)
+        return response
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """Keep new turns from starting; raise BusyError if a generation runs now."""
+        with self._cv:
+            if self._current is not None:
+                raise BusyError(BUSY_MESSAGE)
+            self._holds += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._holds -= 1
+                self._cv.notify_all()
+
+    @contextlib.contextmanager
+    def _generation_stopped(self):
+        """Stop the running generation at its next step; yield whether it stopped in time."""
+        with self._cv:
+            self._holds += 1
+        try:
+            if self._runtime is not None:
+                self._runtime.interrupt()
+            with self._cv:
+                stopped = self._cv.wait_for(lambda: self._current is None,
+                                            self._param('interrupt_timeout'))
+            yield stopped
+        finally:
+            with self._cv:
+                self._holds -= 1
+                self._cv.notify_all()
+
+    # ---- capsule services ------------------------------------------------------------
+
+    def _snapshot_callback(self, request, response):
+        tier = request.tier or 'device'
+
+        def op():
+            info = self._runtime.snapshot(request.name, tier, request.pinned)
+            response.capsule = _info_msg(info)
+            response.latency_ms = info.latency_s * 1e3
+            return info, (f'snapshot {info.name!r}: {info.nbytes} bytes in {info.tier} at '
+                          f'position {info.position}, {response.latency_ms:.3f} ms')
+        return self._serve('snapshot', request.name, tier, response, op)
+
+    def _restore_callback(self, request, response):
+        mode = request.mode or Restore.Request.MODE_FULL
+
+        def op():
+            with self._exclusive():
+                info = self._runtime.restore(request.name, mode)
+            response.capsule = _info_msg(info)
+            response.latency_ms = info.latency_s * 1e3
+            return info, (f'restored {info.name!r} ({mode}) from {info.tier}: position '
+                          f'{info.position}, {response.latency_ms:.3f} ms')
+        return self._serve('restore', request.name, '', response, op)
+
+    def _fork_callback(self, request, response):
+        def op():
+            info = self._runtime.fork(request.source, request.target, request.tier or None)
+            response.capsule = _info_msg(info)
+            response.latency_ms = info.latency_s * 1e3
+            return info, (f'forked {request.source!r} -> {info.name!r} in {info.tier} '
+                          f'({info.nbytes} bytes), {response.latency_ms:.3f} ms')
+        return self._serve('fork', request.target, request.tier, response, op)
+
+    def _rollback_callback(self, request, response):
+        boundaries = max(1, int(request.boundaries))
+
+        def op():
+            with self._exclusive():
+                info = self._runtime.rollback(boundaries)
+            response.capsule = _info_msg(info)
+            response.position = int(info.position)
+            response.latency_ms = info.latency_s * 1e3
+            return info, (f'rolled back {boundaries} boundaries to position {info.position}, '
+                          f'{response.latency_ms:.3f} ms')
+        return self._serve('rollback', '', 'device', response, op)
+
+    def _delete_callback(self, request, response):
+        def op():
+            info = self._runtime.delete_capsule(request.name)
+            response.freed_bytes = int(info.nbytes)
+            return info, f'deleted {info.name!r} from {info.tier}, freed {info.nbytes} bytes'
+        return self._serve('delete', request.name, '', response, op)
+
+    def _list_callback(self, request, response):
+        if self._runtime is None:
+            response.success, response.message = False, self._not_active_message()
+            return response
+        try:
+            infos = self._runtime.list_capsules(request.tier or None)
+        except FlashRTError as exc:
+            response.success, response.message = False, str(exc)
+            return response
+        except Exception as exc:
+            response.success, response.message = False, f'internal error in list: {exc!r}'
+            self.get_logger().error(response.message)
+            return response
+        response.capsules = [_info_msg(i) for i in infos]
+        counts = collections.Counter(i.tier for i in infos)
+        tiers = ', '.join(f'{t} {counts.get(t, 0)}' for t in ('device', 'host', 'disk'))
+        response.success = True
+        response.message = (f'{len(infos)} capsules ({tiers}); live position '
+                            f'{self._runtime.position}; node {self._state_label()}')
+        return response
+
+    def _digest_callback(self, request, response):
+        """Answer the sha256 of the live state (waits for the next step boundary)."""
+        rt = self._runtime
+        if rt is None:
+            response.success, response.message = False, self._not_active_message()
+            return response
+        try:
+            response.message = rt.state_digest()
+            response.success = True
+        except Exception as exc:
+            response.success, response.message = False, str(exc)
+        return response
+
+    # ---- interrupt and reset topics --------------------------------------------------
+
+    def _interrupt_callback(self, msg, msg_info):
+        received = self._received_time(msg_info)
+        mode = msg.mode
+        if mode == Interrupt.POLICY:
+            mode = {'stop': Interrupt.STOP, 'rollback': Interrupt.ROLLBACK,
+                    'restore_home': Interrupt.RESTORE}[self._param('interrupt_policy')]
+        self._stop_and_apply('interrupt', mode, max(1, msg.boundaries),
+                             msg.capsule or self._param('home_capsule'), msg.reason, received)
+
+    def _reset_callback(self, msg, msg_info):
+        received = self._received_time(msg_info)
+        self._stop_and_apply('reset', Interrupt.RESTORE, 1, self._param('home_capsule'),
+                             'reset', received)
+
+    @staticmethod
+    def _received_time(msg_info):
+        """Wall time the middleware received the message (falls back to now)."""
+        now = time.time()
+        stamp = (msg_info or {}).get('received_timestamp') or 0
+        received = stamp / 1e9
+        return received if now - 10.0 < received <= now + 0.001 else now
+
+    def _stop_and_apply(self, operation, mode, boundaries, capsule, reason, received):
+        """Stop the generation at its next step boundary, then stop/roll back/restore."""
+        if not self._active:
+            self.get_logger().warning(f'{operation} ignored: {self._not_active_message()}')
+            return
+        name, tier, nbytes, success = '', '', 0, True
+        with self._generation_stopped() as stopped:
+            try:
+                if not stopped:
+                    raise FlashRTError('the generation did not reach a step boundary within '
+                                       'interrupt_timeout; raise it or check the node log')
+                if mode == Interrupt.STOP:
+                    message = f'stopped at position {self._runtime.position}'
+                elif mode == Interrupt.ROLLBACK:
+                    info = self._runtime.rollback(boundaries)
+                    name, tier, nbytes = info.name, info.tier, info.nbytes
+                    message = f'stopped and rolled back {boundaries} to position {info.position}'
+                elif mode == Interrupt.RESTORE:
+                    info = self._runtime.restore(capsule)
+                    name, tier, nbytes = info.name, info.tier, info.nbytes
+                    message = f'stopped and restored {capsule!r} at position {info.position}'
+                else:
+                    raise FlashRTError(f'interrupt mode {mode} is not valid; use 0 (POLICY), '
+                                       '1 (STOP), 2 (ROLLBACK) or 3 (RESTORE)')
+            except Exception as exc:
+                success, message = False, f'{operation} failed: {exc}'
+                self.get_logger().warning(message)
+        latency_ms = (time.time() - received) * 1e3
+        if reason:
+            message += f' (reason: {reason})'
+        self._publish_event(operation, name or capsule, tier, nbytes, latency_ms, success,
+                            message)
+
+    # ---- generation: action, ~/prompt, generation thread --------------------------------
+
+    def _reserve_turn(self, source):
+        """Count a new turn in, or explain why it is refused ('' when accepted)."""
+        with self._cv:
+            if not self._active:
+                return self._not_active_message()
+            if self._reserved > 0 and self._param('goal_policy') == 'reject':
+                return (f'{source} rejected: a generation is already running or queued and '
+                        'goal_policy is reject; cancel it, wait, or set goal_policy to queue')
+            self._reserved += 1
+            return ''
+
+    def _goal_callback(self, goal_request):
+        refusal = self._reserve_turn('goal')
+        if refusal:
+            self.get_logger().warning(refusal)
+            return GoalResponse.REJECT
+        return GoalResponse.ACCEPT
+
+    def _handle_accepted_callback(self, goal_handle):
+        # The goal stays ACCEPTED (not EXECUTING) while queued; the generation thread calls
+        # goal_handle.execute() when it starts the turn.
+        turn = _Turn(goal_handle.request, goal_handle)
+        self._turns_by_goal[bytes(goal_handle.goal_id.uuid)] = turn
+        self._enqueue(turn)
+
+    def _cancel_callback(self, goal_handle):
+        turn = self._turns_by_goal.get(bytes(goal_handle.goal_id.uuid))
+        if turn is None:
+            return CancelResponse.REJECT
+        turn.cancel_requested = True
+        if self._current is turn and self._runtime is not None:
+            self._runtime.interrupt()  # takes effect before the next decode step
+        return CancelResponse.ACCEPT
+
+    def _execute_callback(self, goal_handle):
+        """Wait for the generation thread to finish this goal's turn; report the result."""
+        key = bytes(goal_handle.goal_id.uuid)
+        turn = self._turns_by_goal.get(key)
+        if turn is None:
+            goal_handle.abort()
+            return Generate.Result(success=False, message='unknown goal', stop_reason='error')
+        while not turn.done.wait(0.2):
+            if not self.context.ok():
+                break
+        self._turns_by_goal.pop(key, None)
+        if goal_handle.is_cancel_requested:
+            goal_handle.canceled()
+        elif turn.result.success:
+            goal_handle.succeed()
+        else:
+            goal_handle.abort()
+        return turn.result
+
+    def _prompt_callback(self, msg):
+        refusal = self._reserve_turn('prompt')
+        if refusal:
+            self.get_logger().warning(refusal)
+            return
+        self._enqueue(_Turn(Generate.Goal(prompt=msg.data)))
+
+    def _enqueue(self, turn):
+        with self._cv:
+            if self._active and self._worker is not None:
+                self._queue.append(turn)
+                self._cv.notify_all()
+                return
+            self._reserved -= 1
+        self._finish_unstarted(turn, False, self._not_active_message())
+
+    def _finish_unstarted(self, turn, success, message):
+        turn.result = Generate.Result(success=success, message=message,
+                                      stop_reason='interrupted' if success else 'error',
+                                      position=self._position())
+        turn.done.set()
+        if turn.goal_handle is not None:
+            turn.goal_handle.execute()  # runs _execute_callback, which reports the result
+
+    def _drop_queued(self, message):
+        with self._cv:
+            dropped = list(self._queue)
+            self._queue.clear()
+            self._reserved -= len(dropped)
+            self._cv.notify_all()
+        for turn in dropped:
+            self._finish_unstarted(turn, False, message)
+
+    def _position(self):
+        rt = self._runtime
+        return int(rt.position) if rt is not None else 0
+
+    def _start_worker(self):
+        with self._cv:
+            self._worker_stop = False
+        self._worker = threading.Thread(target=self._generation_loop, name='flashrt-generation',
+                                        daemon=True)
+        self._worker.start()
+
+    def _stop_worker(self):
+        worker = self._worker
+        if worker is None:
+            return
+        with self._cv:
+            self._worker_stop = True
+            self._cv.notify_all()
+        if self._runtime is not None:
+            self._runtime.interrupt()
+        worker.join(timeout=max(1.0, self._param('interrupt_timeout')))
+        self._worker = None
+
+    def _generation_loop(self):
+        """Run queued turns one at a time (the generation thread)."""
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._worker_stop or (self._queue and not self._holds))
+                if self._worker_stop:
+                    return
+                turn = self._queue.popleft()
+                self._current = turn
+            try:
+                self._run_turn(turn)
+            except Exception as exc:  # a bug: end the turn with an error, keep the thread
+                self.get_logger().error(f'generation turn failed: {exc!r}')
+                turn.result = Generate.Result(success=False, stop_reason='error',
+                                              message=f'internal error: {exc!r}',
+                                              position=self._position())
+            finally:
+                with self._cv:
+                    self._current = None
+                    self._reserved -= 1
+                    self._cv.notify_all()
+                turn.done.set()
+
+    def _run_turn(self, turn):
+        goal, rt = turn.goal, self._runtime
+        if turn.goal_handle is not None:
+            turn.goal_handle.execute()
+        self._turn_id += 1
+        turn_id = self._turn_id
+        if turn.cancel_requested:
+            turn.result = Generate.Result(success=True, stop_reason='interrupted',
+                                          message='cancelled before it started',
+                                          position=self._position())
+            self._publish_chunk(turn, turn_id, 0, [], '', True, 'interrupted')
+            return
+        failure = self._prepare_turn(goal)
+        if failure:
+            turn.result = Generate.Result(success=False, stop_reason='error', message=failure,
+                                          position=self._position())
+            self._publish_chunk(turn, turn_id, 0, [], '', True, 'error')
+            return
+        try:
+            gen = rt.generate(
+                prompt=list(goal.token_ids) if len(goal.token_ids) else (goal.prompt or None),
+                max_new_tokens=int(goal.max_new_tokens or self._param('max_new_tokens')),
+                temperature=float(goal.temperature), top_k=int(goal.top_k),
+                top_p=float(goal.top_p), seed=None if goal.seed < 0 else int(goal.seed),
+                stop=tuple(goal.stop) or tuple(self._param('stop_strings')))
+        except FlashRTError as exc:
+            message = BUSY_MESSAGE if isinstance(exc, BusyError) else str(exc)
+            turn.result = Generate.Result(success=False, stop_reason='error', message=message,
+                                          position=self._position())
+            self._publish_chunk(turn, turn_id, 0, [], '', True, 'error')
+            return
+        chunk_size = self._param('token_chunk')
+        ids, pieces, first = [], [], 0
+        try:
+            if turn.cancel_requested or self._holds:
+                gen.close()
+            for event in gen:
+                ids.append(event.token_id)
+                pieces.append(event.text)
+                if len(ids) >= chunk_size:
+                    self._publish_chunk(turn, turn_id, first, ids, ''.join(pieces), False, '')
+                    first += len(ids)
+                    ids, pieces = [], []
+                if turn.cancel_requested or self._holds:
+                    gen.close()  # an interrupt or cancel: stop at this step boundary
+        except Exception as exc:
+            gen.close()
+            raise exc
+        res = gen.result
+        self._publish_chunk(turn, turn_id, first, ids, ''.join(pieces), True, res.stop_reason)
+        success, message = True, f'{len(res.token_ids)} tokens, stop reason {res.stop_reason}'
+        if goal.save_as:
+            saved = self._save_turn(goal.save_as, goal.save_tier or 'device')
+            success = not saved.startswith('save_as')
+            message += f'; {saved}'
+        if turn.cancel_requested:
+            message += '; cancelled, ' + self._apply_cancel_policy()
+        turn.result = Generate.Result(
+            success=success, message=message, text=res.text, token_ids=list(res.token_ids),
+            stop_reason=res.stop_reason, time_to_first_token_ms=res.ttft_s * 1e3,
+            tokens_per_second=res.tokens_per_s, position=self._position())
+
+    def _prepare_turn(self, goal):
+        """Restore the goal's start_from capsule; return an error message or ''."""
+        if not goal.start_from:
+            return ''
+        try:
+            info = self._runtime.restore(goal.start_from)
+        except FlashRTError as exc:
+            message = f'start_from {goal.start_from!r} failed: {exc}'
+            self._publish_event('restore', goal.start_from, '', 0, 0.0, False, message)
+            return message
+        self._publish_event('restore', info.name, info.tier, info.nbytes, info.latency_s * 1e3,
+                            True, f'start_from {info.name!r} at position {info.position}')
+        return ''
+
+    def _save_turn(self, name, tier):
+        try:
+            info = self._runtime.snapshot(name, tier)
+        except FlashRTError as exc:
+            message = f'save_as {name!r} failed: {exc}'
+            self._publish_event('snapshot', name, tier, 0, 0.0, False, message)
+            return message
+        self._publish_event('snapshot', info.name, info.tier, info.nbytes, info.latency_s * 1e3,
+                            True, f'save_as {info.name!r} at position {info.position}')
+        return f'saved as {info.name!r} ({info.tier})'
+
+    def _apply_cancel_policy(self):
+        """Apply interrupt_policy after a cancelled goal (on the generation thread)."""
+        t0 = time.perf_counter()
+        policy = self._param('interrupt_policy')
+        name, tier, nbytes, success = '', '', 0, True
+        try:
+            if policy == 'rollback':
+                info = self._runtime.rollback(1)
+                name, tier, nbytes = info.name, info.tier, info.nbytes
+            elif policy == 'restore_home':
+                info = self._runtime.restore(self._param('home_capsule'))
+                name, tier, nbytes = info.name, info.tier, info.nbytes
+            message = f'interrupt policy {policy} applied at position {self._position()}'
+        except FlashRTError as exc:
+            success, message = False, f'interrupt policy {policy} failed: {exc}'
+        self._publish_event('interrupt', name, tier, nbytes, (time.perf_counter() - t0) * 1e3,
+                            success, message + ' (reason: goal cancelled)')
+        return message
+
+    def _publish_chunk(self, turn, turn_id, index, ids, text, final, stop_reason):
+        chunk = TokenChunk(turn_id=turn_id, index=index, token_ids=list(ids), text=text,
+                           final=final, stop_reason=stop_reason)
+        chunk.header.stamp = self.get_clock().now().to_msg()
+        if self._active:
+            self._tokens_pub.publish(chunk)
+        if turn.goal_handle is not None:
+            turn.goal_handle.publish_feedback(Generate.Feedback(chunk=chunk))
+
+    # ---- diagnostics -----------------------------------------------------------------
+
+    def _diagnostics_callback(self):
+        status = DiagnosticStatus(name=f'{self.get_fully_qualified_name()}: capsule runtime')
+        rt = self._runtime
+        values = {'lifecycle_state': self._state_label()}
+        if rt is None:
+            status.level, status.message = DiagnosticStatus.WARN, 'unconfigured'
+        else:
+            try:
+                stats = rt.stats()
+            except Exception as exc:
+                stats = None
+                status.level, status.message = DiagnosticStatus.WARN, f'no stats: {exc}'
+            if stats is not None:
+                status.hardware_id = str(stats.get('device', ''))
+                values.update(model=stats.get('model', ''), dtype=stats.get('dtype', ''),
+                              state_bytes=stats.get('state_nbytes', 0),
+                              position=stats.get('position', 0),
+                              generating=self._current is not None)
+                for tier, t in stats.get('tiers', {}).items():
+                    values[f'{tier}_capsules'] = t.get('count', 0)
+                    values[f'{tier}_bytes_used'] = t.get('bytes_used', 0)
+                    values[f'{tier}_budget_bytes'] = t.get('budget', 0)
+                ring = stats.get('rollback_ring', {})
+                values['rollback_ring_capsules'] = ring.get('count', 0)
+                values['rollback_ring_bytes'] = ring.get('bytes_used', 0)
+                values['last_restore_ms'] = f'{stats.get("last_restore_s", 0.0) * 1e3:.4f}'
+                values['p99_restore_ms'] = f'{stats.get("p99_restore_s", 0.0) * 1e3:.4f}'
+                values['decode_tokens_per_s'] = f'{stats.get("decode_tokens_per_s", 0.0):.1f}'
+                values['cuda_graph'] = stats.get('cuda_graph', False)
+                if self._active:
+                    status.level, status.message = DiagnosticStatus.OK, 'active'
+                else:
+                    status.level, status.message = DiagnosticStatus.WARN, self._state_label()
+        status.values = [KeyValue(key=k, value=str(v)) for k, v in values.items()]
+        array = DiagnosticArray(status=[status])
+        array.header.stamp = self.get_clock().now().to_msg()
+        self._diag_pub.publish(array)
+
+
+def main(args=None):
+    """Run the node until SIGINT/SIGTERM; return the process exit code."""
+    # rclpy's own handlers are off: a node started in the background from a non-interactive
+    # shell inherits SIGINT as ignored, so install handlers explicitly for both signals.
+    rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
+    stop = threading.Event()
+
+    def request_stop(signum, frame):
+        stop.set()
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    node = None
+    executor = MultiThreadedExecutor(num_threads=6)
+    try:
+        node = FlashRTNode()
+        executor.add_node(node)
+        if node.get_parameter('autostart').value and not stop.is_set():
+            if node.trigger_configure() == TransitionCallbackReturn.SUCCESS and not stop.is_set():
+                node.trigger_activate()
+
+        def spin():
+            try:
+                executor.spin()
+            except ExternalShutdownException:
+                pass
+
+        spinner = threading.Thread(target=spin, name='flashrt-executor', daemon=True)
+        spinner.start()
+        while not stop.wait(0.2) and rclpy.ok():
+            pass
+        node.get_logger().info('shutting down')
+        try:
+            node.trigger_shutdown()
+        except Exception as exc:  # e.g. a transition was still in progress
+            node.get_logger().warning(f'shutdown transition: {exc}')
+            node.on_shutdown(None)
+        executor.shutdown(timeout_sec=2.0)
+        spinner.join(timeout=2.0)
+        return 0
+    except Exception as exc:
+        print(f'flashrt_node: {exc!r}', file=sys.stderr)
+        return 1
+    finally:
+        if node is not None:
+            node.destroy_node()
+        rclpy.try_shutdown()
+
+
+if __name__ == '__main__':
+    sys.exit(main())

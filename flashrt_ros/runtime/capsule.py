@@ -1,0 +1,481 @@
+"""
+Capsules (immutable snapshots of the arena + metadata) and the tiered CapsuleStore.
+
+Tiers
+  device  blob on the arena's device: restore is one device-local copy (the fast path).
+          Allocations come from torch's caching allocator, which recycles freed capsule
+          blocks of the same size, so repeated snapshots do not hit cudaMalloc.
+  host    blob in host memory (pinned on CUDA, so the copy back is a DMA transfer).
+  disk    one safetensors file per capsule in capsule_dir: the blob as a uint8 tensor,
+          the header (manifest, packing, meta, fingerprint) and checksum as metadata.
+          Written atomically (temp file, fsync, rename, fsync dir); any process with
+          the same model finds it by name.
+
+Checksum: sha256 over the blob bytes and the header. It is NOT computed when a device or
+host capsule is taken: hashing runs at ~1-2 GB/s on a CPU (and needs a device->host copy
+on a GPU), which would turn a sub-millisecond snapshot into tens of milliseconds. It is
+computed lazily — on verify_capsule(), when written to disk, and when a capsule is forked
+to disk — and cached. A file read from disk is ALWAYS checked against its stored checksum.
+A memory capsule is never handed out writable, so what the lazy checksum protects against
+there is hardware/bug corruption between the first verify and later ones.
+
+Budgets: exact bytes of blobs held per memory tier, and the exact file sizes of the
+capsule files present in capsule_dir for the disk tier (the directory is the budget's
+unit, also for files written by other processes). Policy "refuse" raises
+BudgetExceededError; "lru" evicts least-recently-used unpinned capsules of that tier,
+and only when that makes enough room (otherwise it refuses without evicting anything).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import hashlib
+import json
+import os
+from pathlib import Path
+import re
+import tempfile
+import threading
+import time
+from typing import Any
+
+import torch
+
+from .arena import ManifestEntry, Packing
+from .errors import (
+    BudgetExceededError,
+    CapsuleNotFoundError,
+    CorruptCapsuleError,
+    FlashRTError,
+    InvalidNameError,
+)
+
+TIERS = ('device', 'host', 'disk')
+FORMAT_VERSION = 1
+MAX_NAME_LEN = 128
+_NAME_RE = re.compile(r'^[A-Za-z0-9][A-Za-z0-9_.\-]*$')
+_SUFFIX = '.safetensors'
+
+
+def validate_name(name: Any) -> str:
+    """Return name if it is a safe capsule name, else raise InvalidNameError."""
+    if not isinstance(name, str) or not name:
+        raise InvalidNameError('capsule name must be a non-empty string')
+    if len(name) > MAX_NAME_LEN:
+        raise InvalidNameError(
+            f'capsule name is {len(name)} characters; the limit is {MAX_NAME_LEN}'
+        )
+    if '/' in name or '\\' in name or '..' in name or not _NAME_RE.match(name):
+        raise InvalidNameError(
+            f"capsule name {name!r} is not allowed; use letters, digits, '_', '-', '.' "
+            "(starting with a letter or digit, no '..', no path separators)"
+        )
+    return name
+
+
+def validate_tier(tier: Any) -> str:
+    if tier not in TIERS:
+        raise FlashRTError(f"tier {tier!r} is not valid; use one of {', '.join(TIERS)}")
+    return tier
+
+
+@dataclass(frozen=True)
+class CapsuleInfo:
+    name: str
+    tier: str
+    nbytes: int
+    position: int
+    created: float  # unix seconds
+    checksum: str  # hex; "" if not computed yet
+    fingerprint: str
+    components: tuple[str, ...]
+    pinned: bool = False
+    latency_s: float = 0.0
+
+
+class Capsule:
+    """An immutable snapshot: blob bytes, how they map onto the arena, and the non-tensor state."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        tier: str,
+        blob: torch.Tensor | None,
+        packing: Packing,
+        manifest: tuple[ManifestEntry, ...],
+        fingerprint: str,
+        position: int,
+        meta_json: str,
+        components: tuple[str, ...],
+        created: float | None = None,
+        pinned: bool = False,
+        checksum: str = '',
+        nbytes: int | None = None,
+        path: Path | None = None,
+    ):
+        self.name, self.tier, self.blob, self.packing = name, tier, blob, packing
+        self.manifest, self.fingerprint, self.position = manifest, fingerprint, position
+        self.meta_json, self.components = meta_json, components
+        self.created = time.time() if created is None else created
+        self.pinned, self.checksum, self.path = pinned, checksum, path
+        self.nbytes = int(blob.numel()) if nbytes is None else nbytes
+        self.last_used = time.monotonic()
+        self.restore_cache: dict = {}  # per-arena restore plan (views), built on first restore
+
+    @property
+    def meta(self) -> dict:
+        return json.loads(self.meta_json)
+
+    def header(self) -> dict:
+        """Everything but the blob and the checksum; what the checksum covers besides the bytes."""
+        return {
+            'format': FORMAT_VERSION,
+            'fingerprint': self.fingerprint,
+            'position': self.position,
+            'created': self.created,
+            'pinned': self.pinned,
+            'components': list(self.components),
+            'packing': self.packing.to_json(),
+            'manifest': [e.to_json() for e in self.manifest],
+            'meta': self.meta_json,
+        }
+
+    def compute_checksum(self) -> str:
+        return _checksum(self.blob, json.dumps(self.header(), sort_keys=True))
+
+    def info(self, latency_s: float = 0.0, tier: str | None = None) -> CapsuleInfo:
+        return CapsuleInfo(
+            self.name,
+            tier or self.tier,
+            self.nbytes,
+            self.position,
+            self.created,
+            self.checksum,
+            self.fingerprint,
+            self.components,
+            self.pinned,
+            latency_s,
+        )
+
+    def with_blob(self, name: str, tier: str, blob: torch.Tensor) -> 'Capsule':
+        """Copy this capsule's identity around another blob (fork, tier moves)."""
+        return Capsule(
+            name=name,
+            tier=tier,
+            blob=blob,
+            packing=self.packing,
+            manifest=self.manifest,
+            fingerprint=self.fingerprint,
+            position=self.position,
+            meta_json=self.meta_json,
+            components=self.components,
+            created=time.time(),
+            checksum='',
+        )
+
+
+def _checksum(blob: torch.Tensor, header_json: str) -> str:
+    h = hashlib.sha256()
+    data = blob if blob.device.type == 'cpu' else blob.cpu()
+    h.update(memoryview(data.contiguous().numpy()))
+    h.update(header_json.encode())
+    return h.hexdigest()
+
+
+def move_blob(blob: torch.Tensor, tier: str, device: torch.device) -> torch.Tensor:
+    """Copy blob into a new tensor in `tier`'s memory (never aliases the input)."""
+    if tier == 'device':
+        out = torch.empty_like(blob, device=device)
+    else:
+        # Pinned host memory makes host<->GPU copies DMA transfers; on CPU it is plain RAM.
+        out = torch.empty(blob.shape, dtype=torch.uint8, pin_memory=device.type == 'cuda')
+    out.copy_(blob)
+    return out
+
+
+class CapsuleStore:
+    """Named capsules in device/host memory and on disk, with per-tier byte budgets."""
+
+    def __init__(
+        self, device: torch.device, budgets: dict[str, int], eviction: str, capsule_dir: Path
+    ):
+        self.device = device
+        self.budgets = dict(budgets)
+        self.eviction = eviction
+        self.dir = capsule_dir
+        self._mem: dict[str, Capsule] = {}  # device + host tiers
+        self._lock = threading.RLock()  # store bookkeeping; independent of the step lock
+
+    # ---- accounting ------------------------------------------------------------------
+
+    def used_bytes(self, tier: str) -> int:
+        with self._lock:
+            if tier == 'disk':
+                return sum(size for _, size, _ in self._disk_files())
+            return sum(c.nbytes for c in self._mem.values() if c.tier == tier)
+
+    def count(self, tier: str) -> int:
+        with self._lock:
+            if tier == 'disk':
+                return len(self._disk_files())
+            return sum(1 for c in self._mem.values() if c.tier == tier)
+
+    def _make_room(self, tier: str, nbytes: int, replacing: str) -> list[str]:
+        """Names to evict so nbytes fit in tier (replacing `replacing`); raises if impossible."""
+        budget = self.budgets.get(tier, 0)
+        if budget <= 0:
+            return []
+        if tier == 'disk':
+            entries = [
+                (n, size, mtime, self._disk_pinned(n)) for n, size, mtime in self._disk_files()
+            ]
+        else:
+            entries = [
+                (c.name, c.nbytes, c.last_used, c.pinned)
+                for c in self._mem.values()
+                if c.tier == tier
+            ]
+        entries = [e for e in entries if e[0] != replacing]
+        used = sum(e[1] for e in entries)
+        if used + nbytes <= budget:
+            return []
+        if nbytes > budget:
+            raise BudgetExceededError(
+                f'capsule needs {nbytes} bytes but the {tier} budget is {budget} bytes; '
+                f'raise {tier}_budget_bytes or use another tier'
+            )
+        if self.eviction != 'lru':
+            raise BudgetExceededError(
+                f'{tier} tier is full ({used} of {budget} bytes used, {nbytes} more needed); '
+                "delete capsules, raise the budget, or set eviction to 'lru'"
+            )
+        victims, freed = [], 0
+        for name, size, _, pinned in sorted(entries, key=lambda e: e[2]):  # oldest use first
+            if used - freed + nbytes <= budget:
+                break
+            if not pinned:
+                victims.append(name)
+                freed += size
+        if used - freed + nbytes > budget:
+            raise BudgetExceededError(
+                f'{tier} tier is full of pinned capsules ({used} of {budget} bytes); '
+                'delete or unpin some, or raise the budget'
+            )
+        return victims
+
+    # ---- put / get / delete ----------------------------------------------------------
+
+    def put(self, capsule: Capsule) -> Capsule:
+        """Store a memory capsule or write a disk one, replacing any of the same name."""
+        with self._lock:
+            if capsule.tier == 'disk':
+                return self._write_disk(capsule)
+            for victim in self._make_room(capsule.tier, capsule.nbytes, capsule.name):
+                self._delete_locked(victim)
+            self._delete_locked(capsule.name, missing_ok=True)
+            self._mem[capsule.name] = capsule
+            return capsule
+
+    def get(self, name: str) -> Capsule:
+        """Return the capsule with its blob in memory; disk ones are read and verified."""
+        validate_name(name)
+        with self._lock:
+            cap = self._mem.get(name)
+            if cap is not None:
+                cap.last_used = time.monotonic()
+                return cap
+            path = self._path(name)
+            if not path.is_file():
+                raise CapsuleNotFoundError(
+                    f'capsule {name!r} not found; list_capsules() shows what exists'
+                )
+            cap = self._read_disk(name, path)
+            os.utime(path)  # mtime is the disk tier's LRU clock
+            return cap
+
+    def peek(self, name: str) -> Capsule:
+        """Like get, but a disk capsule comes back header-only (blob None, not verified)."""
+        validate_name(name)
+        with self._lock:
+            cap = self._mem.get(name)
+            if cap is not None:
+                return cap
+            path = self._path(name)
+            if not path.is_file():
+                raise CapsuleNotFoundError(
+                    f'capsule {name!r} not found; list_capsules() shows what exists'
+                )
+            return self._read_disk(name, path, header_only=True)
+
+    def delete(self, name: str) -> CapsuleInfo:
+        validate_name(name)
+        with self._lock:
+            info = self.peek(name).info()
+            self._delete_locked(name)
+            return info
+
+    def drop_memory_tiers(self) -> None:
+        """Forget every device and host capsule (used when the runtime closes)."""
+        with self._lock:
+            self._mem.clear()
+
+    def _delete_locked(self, name: str, missing_ok: bool = False) -> None:
+        found = self._mem.pop(name, None) is not None
+        path = self._path(name)
+        if path.is_file():
+            path.unlink()
+            found = True
+        if not found and not missing_ok:
+            raise CapsuleNotFoundError(
+                f'capsule {name!r} not found; list_capsules() shows what exists'
+            )
+
+    def infos(self, tier: str | None = None) -> list[CapsuleInfo]:
+        with self._lock:
+            infos = [c.info() for c in self._mem.values()]
+            for name, _, _ in self._disk_files():
+                if name in self._mem:
+                    continue
+                try:
+                    infos.append(self._read_disk(name, self._path(name), header_only=True).info())
+                except CorruptCapsuleError:
+                    continue  # an unreadable file is reported when someone restores or verifies it
+        return sorted(
+            (i for i in infos if tier is None or i.tier == tier), key=lambda i: (i.created, i.name)
+        )
+
+    def verify(self, name: str) -> CapsuleInfo:
+        """Recompute the checksum (CorruptCapsuleError on mismatch); seal unsealed capsules."""
+        with self._lock:
+            cap = self.get(name)  # a disk capsule is verified while being read
+            if cap.tier != 'disk':
+                actual = cap.compute_checksum()
+                if cap.checksum and cap.checksum != actual:
+                    raise CorruptCapsuleError(
+                        f'capsule {name!r} changed since its checksum was taken; '
+                        'delete it and take a new snapshot'
+                    )
+                cap.checksum = actual
+            return cap.info()
+
+    # ---- disk ------------------------------------------------------------------------
+
+    def _path(self, name: str) -> Path:
+        return self.dir / (name + _SUFFIX)
+
+    def _disk_files(self) -> list[tuple[str, int, float]]:
+        if not self.dir.is_dir():
+            return []
+        out = []
+        for entry in os.scandir(self.dir):
+            if entry.name.endswith(_SUFFIX) and not entry.name.startswith('.'):
+                name = entry.name[: -len(_SUFFIX)]
+                try:
+                    validate_name(name)
+                    st = entry.stat()
+                except (InvalidNameError, OSError):
+                    continue
+                out.append((name, st.st_size, st.st_mtime))
+        return out
+
+    def _disk_pinned(self, name: str) -> bool:
+        try:
+            return self._read_disk(name, self._path(name), header_only=True).pinned
+        except CorruptCapsuleError:
+            return False
+
+    def _write_disk(self, capsule: Capsule) -> Capsule:
+        from safetensors.torch import save
+
+        blob = capsule.blob if capsule.blob.device.type == 'cpu' else capsule.blob.cpu()
+        capsule.checksum = capsule.checksum or capsule.compute_checksum()
+        header_json = json.dumps(capsule.header(), sort_keys=True)
+        data = save(
+            {'blob': blob}, metadata={'flashrt': header_json, 'checksum': capsule.checksum}
+        )
+        for victim in self._make_room('disk', len(data), capsule.name):
+            self._delete_locked(victim)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._delete_locked(
+            capsule.name, missing_ok=True
+        )  # a same-named memory capsule is replaced
+        fd, tmp = tempfile.mkstemp(prefix=f'.{capsule.name}.', suffix='.tmp', dir=self.dir)
+        try:
+            with os.fdopen(fd, 'wb') as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self._path(capsule.name))  # atomic: readers see old or new, never half
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        dir_fd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # make the rename itself durable
+        finally:
+            os.close(dir_fd)
+        disk = Capsule(
+            name=capsule.name,
+            tier='disk',
+            blob=None,
+            packing=capsule.packing,
+            manifest=capsule.manifest,
+            fingerprint=capsule.fingerprint,
+            position=capsule.position,
+            meta_json=capsule.meta_json,
+            components=capsule.components,
+            created=capsule.created,
+            pinned=capsule.pinned,
+            checksum=capsule.checksum,
+            nbytes=len(data),
+            path=self._path(capsule.name),
+        )
+        return disk
+
+    def _read_disk(self, name: str, path: Path, header_only: bool = False) -> Capsule:
+        from safetensors import safe_open
+
+        try:
+            size = path.stat().st_size
+            with safe_open(str(path), framework='pt', device='cpu') as f:
+                meta = f.metadata() or {}
+                header_json, checksum = meta['flashrt'], meta['checksum']
+                header = json.loads(header_json)
+                blob = None if header_only else f.get_tensor('blob')
+            if header.get('format') != FORMAT_VERSION:
+                raise ValueError(f"format {header.get('format')!r}, expected {FORMAT_VERSION}")
+            cap = Capsule(
+                name=name,
+                tier='disk',
+                blob=blob,
+                packing=Packing.from_json(header['packing']),
+                manifest=tuple(ManifestEntry.from_json(e) for e in header['manifest']),
+                fingerprint=header['fingerprint'],
+                position=int(header['position']),
+                meta_json=header['meta'],
+                components=tuple(header['components']),
+                created=float(header['created']),
+                pinned=bool(header['pinned']),
+                checksum=checksum,
+                nbytes=size,
+                path=path,
+            )
+        except Exception as exc:  # truncated/garbled file: safetensors, json, key and type errors
+            raise CorruptCapsuleError(
+                f'capsule file {str(path)!r} cannot be read ({exc}); '
+                'delete it and take a new snapshot'
+            ) from exc
+        if blob is not None:
+            if blob.dtype != torch.uint8 or blob.dim() != 1 or blob.numel() != cap.packing.nbytes:
+                raise CorruptCapsuleError(
+                    f'capsule file {str(path)!r} holds {blob.numel()} bytes of state, '
+                    f'its header says {cap.packing.nbytes}; delete it'
+                )
+            if _checksum(blob, json.dumps(header, sort_keys=True)) != checksum:
+                raise CorruptCapsuleError(
+                    f'capsule {name!r} failed its checksum (the file was modified or '
+                    'damaged); delete it and take a new snapshot'
+                )
+        return cap

@@ -1,0 +1,93 @@
+"""RuntimeConfig: everything a Runtime is built from, validated up front."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+import re
+from typing import Any
+
+from .errors import ConfigError
+
+DTYPES = ('float32', 'bfloat16', 'float16')
+EVICTION_POLICIES = ('refuse', 'lru')
+_DEVICE_RE = re.compile(r'^(cpu|cuda|cuda:\d+)$')
+
+
+@dataclass
+class RuntimeConfig:
+    model: str = 'builtin:tiny-hybrid'  # builtin:<id> or a local checkpoint directory
+    device: str = 'cpu'  # "cpu" | "cuda" | "cuda:N"
+    dtype: str = 'float32'  # "float32" | "bfloat16" | "float16"
+    max_seq_len: int = 4096  # KV capacity in tokens (the arena is sized for it)
+    device_budget_bytes: int = 256 << 20  # 0 = unlimited
+    host_budget_bytes: int = 1 << 30
+    disk_budget_bytes: int = 4 << 30
+    capsule_dir: str = '~/.cache/flashrt_ros/capsules'
+    eviction: str = 'refuse'  # "refuse" | "lru" (lru never evicts pinned capsules)
+    cuda_graphs: bool = True  # ignored on CPU
+    rollback_depth: int = 8  # committed boundaries kept in the rollback ring
+    seed: int = 0  # initial sampler seed (and reset() seed)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first bad field and what it accepts."""
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ConfigError("model must be 'builtin:<id>' or a local checkpoint directory")
+        if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
+            raise ConfigError(
+                f"device {self.device!r} is not valid; use 'cpu', 'cuda' or 'cuda:N'"
+            )
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r} is not valid; use one of {', '.join(DTYPES)}")
+        if self.eviction not in EVICTION_POLICIES:
+            raise ConfigError(f"eviction {self.eviction!r} is not valid; use 'refuse' or 'lru'")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ConfigError('cuda_graphs must be true or false')
+        if not isinstance(self.capsule_dir, str) or not self.capsule_dir:
+            raise ConfigError('capsule_dir must be a non-empty directory path')
+        _check_int('max_seq_len', self.max_seq_len, minimum=8)
+        _check_int('rollback_depth', self.rollback_depth, minimum=0)
+        _check_int('seed', self.seed, minimum=0)
+        for field in ('device_budget_bytes', 'host_budget_bytes', 'disk_budget_bytes'):
+            _check_int(field, getattr(self, field), minimum=0)
+
+    @property
+    def capsule_path(self) -> Path:
+        return Path(self.capsule_dir).expanduser()
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> 'RuntimeConfig':
+        if not isinstance(values, dict):
+            raise ConfigError('runtime config must be a mapping of field names to values')
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f'unknown config keys {unknown}; valid keys are {sorted(known)}')
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> 'RuntimeConfig':
+        import yaml
+
+        try:
+            text = Path(path).expanduser().read_text()
+        except OSError as exc:
+            raise ConfigError(f'cannot read config file {str(path)!r}: {exc}') from exc
+        try:
+            values = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f'config file {str(path)!r} is not valid YAML: {exc}') from exc
+        return cls.from_dict(values or {})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    # bool is an int subclass; 'true' for a byte budget is a mistake, not 1.
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f'{name} must be an integer >= {minimum}, got {value!r}')

@@ -1,0 +1,103 @@
+"""
+What a model adapter declares so that its complete execution state lives in the arena.
+
+An adapter owns a model and the model's view of its state; the runtime owns the bytes.
+The contract, in the order the runtime uses it:
+
+1. `state_specs()`  – every state tensor the model reads or writes between calls, with
+                       its kind, shape, dtype and (for KV) the sequence axis.
+2. `bind(views)`    – point the model's state at the arena views it was handed. After
+                       this the adapter must never allocate or reassign state tensors.
+3. run steps        – language models: `forward(ids)`; policies: `act(observation)`.
+4. `export_meta()` / `import_meta()` / `reset_meta()` – the state that is NOT in tensors
+                       but decides what the next step computes (flags, integer counters).
+                       It travels inside every capsule as JSON.
+5. `fingerprint()`  – identity of weights + config + dtype; capsules from another model
+                       are refused by comparing it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from ..arena import StateSpec
+
+
+class StateAdapter(ABC):
+    """Anything whose step-to-step state can be bound to a StateArena."""
+
+    family: str = 'unknown'
+    device: torch.device
+    dtype: torch.dtype
+
+    @abstractmethod
+    def state_specs(self) -> list[StateSpec]:
+        """Every state tensor, so the arena can lay them out once."""
+
+    @abstractmethod
+    def bind(self, views: dict[str, torch.Tensor]) -> None:
+        """Make the model read and write its state through these arena views only."""
+
+    @abstractmethod
+    def export_meta(self) -> dict[str, Any]:
+        """JSON-able non-tensor state (flags, counters) needed to continue exactly."""
+
+    @abstractmethod
+    def import_meta(self, meta: dict[str, Any]) -> None:
+        """Inverse of export_meta; called after the arena bytes were restored."""
+
+    @abstractmethod
+    def reset_meta(self) -> None:
+        """Non-tensor state of a fresh sequence (the arena is zeroed separately)."""
+
+    @abstractmethod
+    def fingerprint(self) -> str:
+        """Hex digest identifying weights, config and dtype (not the state layout)."""
+
+    def prepare_capture(self) -> None:
+        """
+        Put non-tensor state in its steady-state decode form before a CUDA graph capture.
+
+        Python-level branches (e.g. "has previous state") are frozen into a captured graph,
+        so capture must see the branch every later replay takes.
+        """
+
+
+class CausalLMAdapter(StateAdapter):
+    """A language model: token ids in, next-token logits out, state advanced in place."""
+
+    tokenizer: Any  # has encode(text)->ids, decode(ids)->str, eos_token_ids
+    vocab_size: int
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
+        """
+        Consume input_ids [1, T] into the bound state; return last-position logits [1, V].
+
+        kv_len, when given, is the sequence length after this call (known on the host in
+        eager mode); an adapter may use it to touch only the live part of its buffers.
+        None means "unknown" (a captured graph must not depend on it).
+        """
+
+    def decode_ready(self) -> bool:
+        """Whether the non-tensor state matches what a captured decode graph assumed."""
+        return True
+
+
+class PolicyAdapter(StateAdapter):
+    """
+    A robot policy: observation in, action chunk out, recurrent/KV state bound to the arena.
+
+    Same state contract as a language model, so capsules, rollback and CUDA-graph capture
+    work unchanged; the runtime drives `act` instead of `forward`. (Implemented later.)
+    """
+
+    action_dim: int
+    chunk_size: int
+
+    @abstractmethod
+    def act(self, observation: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Fold one observation into the bound state; return actions [chunk_size, action_dim]."""

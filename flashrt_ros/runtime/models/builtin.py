@@ -1,0 +1,92 @@
+"""
+Built-in model configs: random weights from a fixed seed, byte-level vocabulary.
+
+They need no download and exist so the runtime, node and tests run anywhere. Their output
+is NOT meaningful text; point `model` at a local checkpoint directory for a real model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+
+VOCAB = 264  # 256 bytes + <bos>/<eos>/<pad>, padded up to a multiple of 8
+SEED = 1234
+# transformers' default init (std 0.02) makes tiny random models nearly context-blind
+# (LFM2 and Llama then repeat one token whatever the state); std 0.1 makes the next
+# token depend on the whole state, which is what the exactness/ablation tests need.
+INIT_STD = 0.1
+
+_ATTN = {'num_attention_heads': 4, 'num_key_value_heads': 2, 'max_position_embeddings': 32768}
+_QWEN_LINEAR = {'linear_num_key_heads': 2, 'linear_num_value_heads': 4, 'linear_key_head_dim': 32,
+                'linear_value_head_dim': 32, 'linear_conv_kernel_dim': 4}
+_LIN, _FULL = 'linear_attention', 'full_attention'
+
+
+@dataclass(frozen=True)
+class BuiltinSpec:
+    config_class: str  # transformers config class name
+    model_class: str  # transformers causal-LM class name
+    kwargs: dict[str, Any]
+    about: str
+
+
+BUILTINS: dict[str, BuiltinSpec] = {
+    # The embedded default: Qwen3-Next style, 3 gated-delta-net layers + 1 full-attention layer.
+    'tiny-hybrid': BuiltinSpec('Qwen3NextConfig', 'Qwen3NextForCausalLM', {
+        'hidden_size': 128, 'intermediate_size': 256, 'num_hidden_layers': 4, 'head_dim': 32,
+        'layer_types': [_LIN, _LIN, _LIN, _FULL], 'mlp_only_layers': [0, 1, 2, 3],
+        **_ATTN, **_QWEN_LINEAR}, 'Qwen3-Next-style hybrid (gated DeltaNet + attention)'),
+    'tiny-qwen3-5': BuiltinSpec('Qwen3_5TextConfig', 'Qwen3_5ForCausalLM', {
+        'hidden_size': 128, 'intermediate_size': 256, 'num_hidden_layers': 4, 'head_dim': 32,
+        'layer_types': [_LIN, _LIN, _LIN, _FULL], **_ATTN, **_QWEN_LINEAR},
+        'Qwen3.5 text hybrid'),
+    'tiny-lfm2': BuiltinSpec('Lfm2Config', 'Lfm2ForCausalLM', {
+        'hidden_size': 128, 'intermediate_size': 256, 'num_hidden_layers': 4,
+        'full_attn_idxs': [1, 3], 'conv_L_cache': 3, **_ATTN},
+        'LFM2: short-conv + attention hybrid'),
+    'tiny-mamba2': BuiltinSpec('Mamba2Config', 'Mamba2ForCausalLM', {
+        'hidden_size': 128, 'num_hidden_layers': 3, 'num_heads': 8, 'head_dim': 32, 'expand': 2,
+        'state_size': 16, 'n_groups': 1, 'conv_kernel': 4, 'chunk_size': 32},
+        'Mamba2: pure SSM (no KV at all)'),
+    'tiny-llama': BuiltinSpec('LlamaConfig', 'LlamaForCausalLM', {
+        'hidden_size': 128, 'intermediate_size': 256, 'num_hidden_layers': 3, **_ATTN},
+        'Llama: attention only'),
+    # ~27M params; the benchmark model (6 linear-attention + 2 full-attention layers).
+    'bench-hybrid': BuiltinSpec('Qwen3NextConfig', 'Qwen3NextForCausalLM', {
+        'hidden_size': 512, 'intermediate_size': 1536, 'num_hidden_layers': 8, 'head_dim': 64,
+        'num_attention_heads': 8, 'num_key_value_heads': 2, 'max_position_embeddings': 65536,
+        'layer_types': [_LIN, _LIN, _LIN, _FULL] * 2, 'mlp_only_layers': list(range(8)),
+        'linear_num_key_heads': 4, 'linear_num_value_heads': 8, 'linear_key_head_dim': 64,
+        'linear_value_head_dim': 64, 'linear_conv_kernel_dim': 4},
+        'Qwen3-Next-style hybrid for benchmarks'),
+}
+
+
+def build_builtin(name: str, dtype: torch.dtype):
+    """Instantiate built-in model `name` with deterministic random weights."""
+    import transformers
+
+    if name not in BUILTINS:
+        raise ConfigError(
+            f'unknown built-in model {name!r}; choose one of '
+            + ', '.join(f'builtin:{n}' for n in BUILTINS)
+        )
+    spec = BUILTINS[name]
+    config = getattr(transformers, spec.config_class)(
+        vocab_size=VOCAB,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=258,
+        initializer_range=INIT_STD,
+        **spec.kwargs,
+    )
+    # Weights come from a private RNG so building a model never disturbs the caller's seed.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        model = getattr(transformers, spec.model_class)(config)
+    return model.to(dtype).eval()

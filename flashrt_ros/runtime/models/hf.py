@@ -1,0 +1,336 @@
+"""
+transformers causal LMs whose StaticCache tensors are views into the StateArena.
+
+transformers 5.x has no API to hand a cache your own buffers: cache layers allocate lazily
+on their first update. So the adapter
+  1. runs one probe forward on a throwaway StaticCache to learn every state tensor's
+     shape and dtype (the recurrent state of a bf16 model is fp32, for instance);
+  2. builds the real StaticCache and RE-POINTS each layer's tensors at arena views
+     (StaticLayer keys/values/cumulative_length, LinearAttentionLayer conv_states /
+     recurrent_states), marking the layers initialized so they never allocate again.
+From then on the model mutates only arena memory: StaticLayer writes with index_copy_
+and add_, linear-attention layers with copy_.
+
+Non-tensor state the layers keep in Python and that must travel with a capsule:
+`has_previous_state` per linear-attention state (False means "next call is a prefill":
+dropping it makes decode diverge) and `cumulative_length_int` of sliding-window layers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .base import CausalLMAdapter
+from ..arena import dtype_name, StateSpec
+from ..errors import ConfigError
+from ..tokenizer import ByteTokenizer, HFTokenizer
+
+PROBE_TOKENS = 4
+WINDOW_QUANTUM = 256  # eager attention windows grow in steps of this many tokens
+
+# Config keys that say where/how a model was saved, not what it computes; left out of the
+# fingerprint so a built-in model and its save_pretrained copy are the same model.
+_VOLATILE_CONFIG_KEYS = {
+    '_name_or_path',
+    'architectures',
+    'transformers_version',
+    'dtype',
+    'torch_dtype',
+    '_attn_implementation',
+    '_attn_implementation_autoset',
+    'attn_implementation',
+    'use_cache',
+    'output_attentions',
+    'output_hidden_states',
+    'return_dict',
+    '_commit_hash',
+    'auto_map',
+}
+
+
+def _cache_classes():
+    from transformers import cache_utils as cu
+
+    return cu
+
+
+def _windowed_layer_class():
+    """Build (once) a StaticLayer subclass whose attention can see a prefix of the buffer.
+
+    A StaticLayer always hands attention its whole [B, H, max_len, D] buffer, so an eager
+    step costs O(max_seq_len) — with GQA the whole buffer is even expanded per query head.
+    When the live length is known on the host, `window` (rounded up to WINDOW_QUANTUM) makes
+    attention read keys[:, :, :window] under a mask of the same size. Rows past the live
+    length are zero and causally masked either way, so the result is the same. Captured CUDA
+    graphs keep window=None: static shapes over the whole buffer.
+    """
+    global _WINDOWED
+    if _WINDOWED is None:
+        cu = _cache_classes()
+
+        class WindowedStaticLayer(cu.StaticLayer):
+            window: int | None = None
+
+            def update(self, key_states, value_states, *args, **kwargs):
+                keys, values = super().update(key_states, value_states, *args, **kwargs)
+                if self.window is None:
+                    return keys, values
+                return keys[:, :, :self.window], values[:, :, :self.window]  # [B, H, W, D]
+
+            def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+                if self.window is None:
+                    return super().get_mask_sizes(query_length)
+                return self.window, 0
+
+        _WINDOWED = WindowedStaticLayer
+    return _WINDOWED
+
+
+_WINDOWED = None
+
+
+class HFCausalLMAdapter(CausalLMAdapter):
+    """A transformers causal LM running over a StaticCache bound to arena views."""
+
+    def __init__(self, model, tokenizer, max_seq_len: int, model_id: str):
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.model_id = model_id
+        self.tokenizer = tokenizer
+        self.config = model.config.get_text_config(decoder=True)
+        self.family = str(getattr(self.config, 'model_type', 'unknown'))
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.max_seq_len = max_seq_len
+        first = next(self.model.parameters())
+        self.device, self.dtype = first.device, first.dtype
+        cu = _cache_classes()
+        # The real cache: layers are created now, their tensors only when bind() hands views in.
+        self.cache = cu.StaticCache(config=self.model.config, max_cache_len=max_seq_len)
+        self._check_layers()
+        self._windowed = []
+        for layer in self.cache.layers:
+            if type(layer) is cu.StaticLayer:  # plain full attention (not sliding, not hybrid)
+                layer.__class__ = _windowed_layer_class()
+                self._windowed.append(layer)
+        self._specs = self._probe_specs()
+
+    # ---- discovery -------------------------------------------------------------------
+
+    def _check_layers(self) -> None:
+        cu = _cache_classes()
+        supported = (cu.StaticLayer, cu.LinearAttentionLayer, cu.DummyLayer)
+        for i, layer in enumerate(self.cache.layers):
+            if isinstance(layer, cu.StaticIndexedLayer) or not isinstance(layer, supported):
+                raise ConfigError(
+                    f'model type {self.family!r} uses cache layer {type(layer).__name__} '
+                    f'(layer {i}), which flashrt_ros cannot bind to its state arena yet'
+                )
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        sliding = _cache_classes().StaticSlidingWindowLayer
+        return any(isinstance(layer, sliding) for layer in self.cache.layers)
+
+    @torch.no_grad()
+    def _probe_specs(self) -> list[StateSpec]:
+        """One throwaway forward to learn each state tensor's shape and dtype."""
+        cu = _cache_classes()
+        probe = cu.StaticCache(config=self.model.config, max_cache_len=2 * PROBE_TOKENS)
+        ids = torch.arange(PROBE_TOKENS, device=self.device).unsqueeze(0)  # [1, P]
+        self.model(input_ids=ids, cache=probe, use_cache=True, logits_to_keep=1)
+        specs: list[StateSpec] = []
+        for i, (layer, real) in enumerate(zip(probe.layers, self.cache.layers)):
+            if isinstance(layer, cu.StaticLayer):
+                if not layer.is_initialized:
+                    raise ConfigError(
+                        f'layer {i} of {self.family!r} kept no KV in a probe forward'
+                    )
+                # Sliding-window buffers roll: their used part is not a prefix; copy whole.
+                seq_dim = None if isinstance(real, cu.StaticSlidingWindowLayer) else 2
+                for part, t in (('key', layer.keys), ('value', layer.values)):
+                    shape = (t.shape[0], t.shape[1], real.max_cache_len, t.shape[3])  # [B,H,L,D]
+                    specs.append(StateSpec(f'L{i}.{part}', 'kv', shape, t.dtype, seq_dim))
+                specs.append(StateSpec(f'L{i}.length', 'position', (), torch.int64))
+            if isinstance(layer, cu.LinearAttentionLayer):
+                for s in range(layer.number_of_states):
+                    conv, rec = layer.conv_states[s], layer.recurrent_states[s]
+                    if conv is not None:  # [B, C, K]
+                        specs.append(StateSpec(f'L{i}.conv{s}', 'conv', conv.shape, conv.dtype))
+                    if rec is not None:  # e.g. [B, H, Dk, Dv]; fp32 even in bf16 models
+                        specs.append(StateSpec(f'L{i}.recurrent{s}', 'recurrent', rec.shape,
+                                               rec.dtype))
+        return specs
+
+    def state_specs(self) -> list[StateSpec]:
+        return list(self._specs)
+
+    # ---- binding ---------------------------------------------------------------------
+
+    def bind(self, views: dict[str, torch.Tensor]) -> None:
+        cu = _cache_classes()
+        for i, layer in enumerate(self.cache.layers):
+            if isinstance(layer, cu.StaticLayer):
+                k, v = views[f'L{i}.key'], views[f'L{i}.value']  # [B, H, L, D] arena views
+                layer.keys, layer.values = k, v
+                layer.cumulative_length = views[f'L{i}.length']  # [] int64, advanced with add_
+                layer.device = k.device
+                layer.batch_size, layer.num_heads = k.shape[0], k.shape[1]
+                layer.k_head_dim, layer.v_head_dim = k.shape[-1], v.shape[-1]
+                layer.is_initialized = True
+            if isinstance(layer, cu.LinearAttentionLayer):
+                for s in range(layer.number_of_states):
+                    conv = views.get(f'L{i}.conv{s}')
+                    rec = views.get(f'L{i}.recurrent{s}')
+                    if conv is not None:
+                        layer.conv_states[s] = conv  # [B, C, K]
+                        layer.conv_kernel_size[s] = conv.shape[-1]
+                        layer.is_conv_states_initialized[s] = True
+                        layer.dtype, layer.device = conv.dtype, conv.device
+                    if rec is not None:
+                        layer.recurrent_states[s] = rec  # e.g. [B, H, Dk, Dv], often fp32
+                        layer.is_recurrent_states_initialized[s] = True
+                        layer.device = rec.device
+
+    # ---- non-tensor state ------------------------------------------------------------
+
+    def export_meta(self) -> dict[str, Any]:
+        cu = _cache_classes()
+        layers = {}
+        for i, layer in enumerate(self.cache.layers):
+            d = {}
+            if isinstance(layer, cu.LinearAttentionLayer):
+                d['has_previous_state'] = [
+                    bool(layer.has_previous_state[s]) for s in range(layer.number_of_states)
+                ]
+            if isinstance(layer, cu.StaticSlidingWindowLayer):
+                d['cumulative_length_int'] = int(layer.cumulative_length_int)
+            if d:
+                layers[str(i)] = d
+        return {'layers': layers}
+
+    def import_meta(self, meta: dict[str, Any]) -> None:
+        for key, d in meta.get('layers', {}).items():
+            layer = self.cache.layers[int(key)]
+            for s, flag in enumerate(d.get('has_previous_state', ())):
+                layer.has_previous_state[s] = bool(flag)
+            if 'cumulative_length_int' in d:
+                layer.cumulative_length_int = int(d['cumulative_length_int'])
+
+    def reset_meta(self) -> None:
+        cu = _cache_classes()
+        for layer in self.cache.layers:
+            if isinstance(layer, cu.LinearAttentionLayer):
+                for s in range(layer.number_of_states):
+                    layer.has_previous_state[s] = False
+            if isinstance(layer, cu.StaticSlidingWindowLayer):
+                layer.cumulative_length_int = 0
+
+    def prepare_capture(self) -> None:
+        cu = _cache_classes()
+        for layer in self.cache.layers:
+            if isinstance(layer, cu.LinearAttentionLayer):
+                for s in range(layer.number_of_states):
+                    layer.has_previous_state[s] = True
+
+    def decode_ready(self) -> bool:
+        cu = _cache_classes()
+        return all(
+            all(layer.has_previous_state.values())
+            for layer in self.cache.layers
+            if isinstance(layer, cu.LinearAttentionLayer)
+        )
+
+    # ---- compute ---------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
+        window = None
+        if kv_len is not None:
+            window = min(-(-kv_len // WINDOW_QUANTUM) * WINDOW_QUANTUM, self.max_seq_len)
+        for layer in self._windowed:
+            layer.window = window
+        out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]  # [1, V]
+
+    def fingerprint(self) -> str:
+        """
+        Hash config (minus save-location keys), dtype, parameter shapes, weight sample.
+
+        Hashing every weight would cost seconds on a large model; the first 16 values of
+        every parameter tell apart any two differently initialized or trained models.
+        """
+        cfg = {
+            k: v for k, v in self.model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS
+        }
+        params = [(n, list(p.shape)) for n, p in self.model.named_parameters()]
+        sample = torch.cat(
+            [p.detach().reshape(-1)[:16].float() for _, p in self.model.named_parameters()]
+        )
+        h = hashlib.sha256()
+        h.update(
+            json.dumps(
+                {'config': cfg, 'dtype': dtype_name(self.dtype), 'params': params},
+                sort_keys=True,
+                default=str,
+            ).encode()
+        )
+        h.update(sample.cpu().numpy().tobytes())
+        return h.hexdigest()
+
+
+def load_adapter(
+    model_id: str, device: torch.device, dtype: torch.dtype, max_seq_len: int
+) -> HFCausalLMAdapter:
+    """`builtin:<id>` or a local checkpoint directory (never downloads)."""
+    if model_id.startswith('builtin:'):
+        from .builtin import build_builtin
+
+        model = build_builtin(model_id.split(':', 1)[1], dtype)
+        tokenizer = ByteTokenizer()
+    else:
+        model, tokenizer = _load_local(Path(model_id).expanduser(), dtype)
+    return HFCausalLMAdapter(model.to(device), tokenizer, max_seq_len, model_id)
+
+
+def _load_local(path: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not path.is_dir():
+        raise ConfigError(
+            f"model {str(path)!r} is neither 'builtin:<id>' nor an existing checkpoint directory"
+        )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype)
+    except Exception as exc:  # transformers raises many types for a bad checkpoint
+        raise ConfigError(f'cannot load a causal LM from {str(path)!r}: {exc}') from exc
+    eos = model.config.get_text_config(decoder=True).eos_token_id
+    eos_ids = (
+        tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+    )
+    if ByteTokenizer.saved_in(path):
+        return model, ByteTokenizer()
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:
+        raise ConfigError(
+            f'checkpoint {str(path)!r} has no usable tokenizer ({exc}); '
+            'save one with tokenizer.save_pretrained() next to the weights'
+        ) from exc
+    return model, HFTokenizer(tok, eos_ids)
+
+
+def save_builtin(model_id: str, directory: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Write a built-in model (weights + byte tokenizer marker) as a normal checkpoint dir."""
+    from .builtin import build_builtin
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    build_builtin(model_id.removeprefix('builtin:'), dtype).save_pretrained(str(out))
+    ByteTokenizer().save(out)
+    return out

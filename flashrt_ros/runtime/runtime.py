@@ -1,0 +1,682 @@
+"""
+Runtime: the facade the ROS node, client and benchmarks use (see the API contract).
+
+Live state = the arena bytes + a small JSON of non-tensor state:
+  * position  – tokens consumed into the state (for pure-SSM models the only token count);
+  * pending   – the last sampled token, not yet fed to the model. A turn ends right after
+                sampling, so the next turn (or the next step) starts by feeding it; this
+                saves one forward per turn and keeps every step boundary consistent;
+  * adapter   – per-layer has_previous_state flags, sliding-window counters.
+  * rng       – the sampler generator's state (host bytes for CPU and CUDA generators alike,
+                so neither snapshot nor restore needs a device sync for it).
+The last logits and the committed token history live IN the arena (kinds "logits" and
+"tokens"), so they are covered by the same copies as the model state.
+
+Committed boundaries: the end of a prefill, the end of a turn, reset(), and the state a
+restore/rollback lands on. The rollback ring keeps the last `rollback_depth` of them as
+device-resident capsules OUTSIDE the user's device budget: the ring is the runtime's own
+undo history, its size is bounded by rollback_depth x the used state, and stats() reports
+its bytes separately. A restored device capsule goes on the ring by reference (capsules are
+immutable), so deleting it frees its memory only once it has left the ring.
+
+Concurrency: one writer. Every state access holds `_lock` (the step lock); a generation
+claims the writer slot from generate() until it finishes, and state-changing calls made
+meanwhile raise BusyError instead of waiting for an unbounded stream to end.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+import hashlib
+import json
+import threading
+import time
+from typing import Iterator, Sequence
+
+import torch
+
+from .arena import StateArena, StateSpec
+from .capsule import Capsule, CapsuleInfo, CapsuleStore, move_blob, validate_name, validate_tier
+from .config import RuntimeConfig
+from .engine import Engine
+from .errors import (
+    BusyError,
+    ConfigError,
+    CorruptCapsuleError,
+    FingerprintMismatchError,
+    FlashRTError,
+    InvalidNameError,
+    InvalidRequestError,
+)
+from .models.hf import load_adapter
+
+_DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+KV_ONLY_SKIPS = frozenset(
+    {'conv', 'recurrent'}
+)  # what a KV-only restore (the ablation) leaves alone
+BUSY_MESSAGE = 'a generation is running; call interrupt() first'
+STOP_REASONS = ('max_tokens', 'eos', 'stop_string', 'interrupted', 'max_seq_len')
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    index: int
+    token_id: int
+    text: str  # decoded piece (may be "" while a multi-byte character is incomplete)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    stop_reason: str
+    ttft_s: float
+    tokens_per_s: float
+    prompt_tokens: int
+
+
+@dataclass
+class _Sampling:
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    eos: bool
+
+
+class Generation:
+    """Streaming iterator over TokenEvents; `.result` is set when it finishes (else None)."""
+
+    def __init__(self, runtime: 'Runtime', prompt_ids: list[int] | None, sampling: _Sampling):
+        self._rt = runtime
+        self.prompt_ids = prompt_ids
+        self.sampling = sampling
+        self.result: GenerationResult | None = None
+        self.token_ids: list[int] = []
+        self.started = False
+        self.t_start = 0.0
+        self.t_first = 0.0
+        self.emitted_text = ''  # text already handed out in events
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        return self
+
+    def __next__(self) -> TokenEvent:
+        return self._rt._generation_step(self)
+
+    def close(self) -> None:
+        """Stop early (if still running); the state stays at the last step boundary, committed."""
+        if self.result is None:
+            self._rt._finish(self, 'interrupted')
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Runtime:
+    """Model + state arena + capsule store + engine behind one thread-safe facade."""
+
+    def __init__(self, config: RuntimeConfig | dict | None = None):
+        if config is None:
+            config = RuntimeConfig()
+        elif isinstance(config, dict):
+            config = RuntimeConfig.from_dict(config)
+        config.validate()
+        self.config = config
+        self.device = torch.device(config.device)
+        if self.device.type == 'cuda' and not torch.cuda.is_available():
+            raise ConfigError(
+                f"device {config.device!r} requested but CUDA is not available; use device 'cpu'"
+            )
+        self.dtype = _DTYPES[config.dtype]
+        self._lock = threading.RLock()
+        self._interrupt = threading.Event()
+        self._active: Generation | None = None
+        self._closed = False
+
+        self.adapter = load_adapter(config.model, self.device, self.dtype, config.max_seq_len)
+        self.tokenizer = self.adapter.tokenizer
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(config.seed)
+        specs = self.adapter.state_specs() + [
+            StateSpec('logits', 'logits', (self.adapter.vocab_size,), torch.float32),
+            StateSpec('tokens', 'tokens', (config.max_seq_len,), torch.int32, seq_dim=0),
+        ]
+        self.arena = StateArena(specs, self.device)
+        self.adapter.bind(self.arena.views)
+        self.engine = Engine(self.adapter, self.arena.views['logits'], config.cuda_graphs)
+        self.fingerprint = hashlib.sha256(
+            (self.adapter.fingerprint() + self.arena.layout_fingerprint).encode()
+        ).hexdigest()
+        self._components = tuple(self.arena.kinds) + ('rng', 'meta')
+        self.store = CapsuleStore(
+            self.device,
+            {
+                'device': config.device_budget_bytes,
+                'host': config.host_budget_bytes,
+                'disk': config.disk_budget_bytes,
+            },
+            config.eviction,
+            config.capsule_path,
+        )
+        self._ring: collections.deque[Capsule] = collections.deque(
+            maxlen=max(config.rollback_depth, 1)
+        )
+        self._restore_times: collections.deque[float] = collections.deque(maxlen=1000)
+        self._last_restore_s = 0.0
+        self._decode_tps = 0.0
+        self.position = 0
+        self._pending: int | None = None
+        self.reset()
+
+    # ---- small properties -------------------------------------------------------------
+
+    @property
+    def generating(self) -> bool:
+        return self._active is not None
+
+    @property
+    def state_nbytes(self) -> int:
+        return self.arena.nbytes
+
+    @property
+    def components(self) -> list[str]:
+        return list(self._components)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    # ---- internal state helpers (call with _lock held) --------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FlashRTError('runtime is closed; build a new Runtime')
+
+    def _check_idle(self) -> None:
+        self._check_open()
+        if self._active is not None:
+            raise BusyError(BUSY_MESSAGE)
+
+    def _meta(self) -> dict:
+        return {
+            'position': self.position,
+            'pending': self._pending,
+            'adapter': self.adapter.export_meta(),
+            'rng': bytes(self.generator.get_state().numpy()).hex(),
+        }
+
+    def _capture(
+        self, name: str, tier: str, whole: bool | None = None, pinned: bool = False
+    ) -> Capsule:
+        """Copy the live state into a new capsule (not yet stored)."""
+        if whole is None:
+            whole = tier == 'device' and self.arena.choose_whole(self.position)
+        blob, packing = self.arena.pack(self.position, whole)  # on the arena's device
+        if tier != 'device':
+            blob = move_blob(blob, 'host', self.device)
+        return Capsule(
+            name=name,
+            tier=tier,
+            blob=blob,
+            packing=packing,
+            manifest=self.arena.manifest,
+            fingerprint=self.fingerprint,
+            position=self.position,
+            meta_json=json.dumps(self._meta(), sort_keys=True),
+            components=self._components,
+            pinned=pinned,
+        )
+
+    def _check_capsule(self, cap: Capsule) -> dict:
+        """Everything that could make a restore fail, checked before the first byte is written."""
+        if cap.fingerprint != self.fingerprint or cap.manifest != self.arena.manifest:
+            raise FingerprintMismatchError(
+                f'capsule {cap.name!r} was taken from a different model, dtype or max_seq_len '
+                f'(capsule {cap.fingerprint[:12]}, runtime {self.fingerprint[:12]}); '
+                'restore it into a Runtime built with the same config'
+            )
+        if cap.blob is None or cap.blob.numel() != cap.packing.nbytes:
+            raise CorruptCapsuleError(
+                f'capsule {cap.name!r} has no state bytes of the expected size; delete it'
+            )
+        if 'meta' in cap.restore_cache:  # a capsule is immutable: parse and check its meta once
+            return cap.restore_cache['meta']
+        try:
+            meta = json.loads(cap.meta_json)
+            position = int(meta['position'])
+            pending = meta['pending']
+            if not 0 <= position <= self.config.max_seq_len or not (
+                pending is None or isinstance(pending, int)
+            ):
+                raise ValueError('position/pending out of range')
+            meta['adapter']['layers']
+            meta['rng'] = torch.frombuffer(bytearray.fromhex(meta['rng']), dtype=torch.uint8)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptCapsuleError(
+                f'capsule {cap.name!r} has unreadable metadata ({exc}); delete it'
+            ) from exc
+        if meta['rng'].numel() != self.generator.get_state().numel():
+            # CPU and CUDA generators keep differently sized states; set_state would fail
+            # after the arena was already written, so refuse up front.
+            raise FingerprintMismatchError(
+                f'capsule {cap.name!r} holds a sampler state from another device type; '
+                'restore it into a Runtime on the same kind of device'
+            )
+        cap.restore_cache['meta'] = meta
+        return meta
+
+    def _apply(self, cap: Capsule, meta: dict, kinds: set[str] | None = None) -> None:
+        """Write a checked capsule into the live state (cannot fail half-way)."""
+        blob = cap.blob
+        if blob.device != self.device:
+            blob = blob.to(self.device, non_blocking=True)  # pinned host -> device DMA
+        key = (id(self.arena), blob.data_ptr(), None if kinds is None else tuple(sorted(kinds)))
+        pairs = cap.restore_cache.get(key)
+        if pairs is None and not (cap.packing.whole and kinds is None):
+            # Typed views of the blob and the arena, built once per capsule: repeated restores
+            # (the interrupt/reset path) then cost one fused copy call, not one per tensor.
+            pairs = self.arena.copy_pairs(blob, cap.packing, kinds)
+            if blob is cap.blob:
+                cap.restore_cache[key] = pairs
+        self.arena.unpack(blob, cap.packing, self.position, kinds, pairs)
+        self.adapter.import_meta(meta['adapter'])
+        self.generator.set_state(meta['rng'])
+        self.position, self._pending = int(meta['position']), meta['pending']
+
+    def _commit(self) -> None:
+        """Mark the live state as a committed boundary (push it on the rollback ring)."""
+        if self.config.rollback_depth > 0:
+            self._ring.append(self._capture(f'@boundary-{self.position}', 'device', whole=False))
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            try:
+                ids = [int(t) for t in prompt]
+            except (TypeError, ValueError) as exc:
+                raise InvalidRequestError(
+                    'prompt must be text or a sequence of token ids'
+                ) from exc
+        if not ids:
+            raise InvalidRequestError('prompt is empty; pass text or at least one token id')
+        bad = [t for t in ids if not 0 <= t < self.adapter.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f'token ids {bad[:5]} are outside the vocabulary [0, {self.adapter.vocab_size})'
+            )
+        return ids
+
+    def _prefill_ids(self, ids: list[int]) -> None:
+        if self._pending is not None:
+            ids = [self._pending] + ids  # the token sampled last turn has not been consumed yet
+        if self.position + len(ids) > self.config.max_seq_len:
+            raise InvalidRequestError(
+                f'prompt of {len(ids)} tokens does not fit: position {self.position}, '
+                f'max_seq_len {self.config.max_seq_len}; reset() or raise max_seq_len'
+            )
+        self.engine.prefill(ids, self.position)
+        tokens = self.arena.views['tokens']
+        tokens[self.position:self.position + len(ids)].copy_(
+            torch.tensor(ids, dtype=torch.int32)
+        )
+        self.position += len(ids)
+        self._pending = None
+
+    def _feed(self, token: int) -> None:
+        self.engine.decode(token, self.position)
+        self.arena.views['tokens'][self.position] = token
+        self.position += 1
+
+    # ---- lifecycle --------------------------------------------------------------------
+
+    def warmup(self) -> None:
+        """Run throwaway steps (and capture the CUDA graph on CUDA); live state unchanged."""
+        with self._lock:
+            self._check_idle()
+            saved = self.arena.storage.clone()
+            meta = self.adapter.export_meta()
+            try:
+                self.arena.zero_()
+                self.adapter.reset_meta()
+                self.engine.prefill([0], 0)
+                self.engine.decode(0, 1)
+                if self.config.cuda_graphs and self.device.type == 'cuda':
+                    self.arena.zero_()
+                    self.engine.capture()
+            finally:
+                self.arena.storage.copy_(saved)
+                self.adapter.import_meta(meta)
+                if self.device.type == 'cuda':
+                    torch.cuda.synchronize(self.device)
+
+    def reset(self) -> None:
+        """Zero state, position 0, sampler reseeded; a committed boundary."""
+        with self._lock:
+            self._check_idle()
+            self.arena.zero_()
+            self.adapter.reset_meta()
+            self.generator.manual_seed(self.config.seed)
+            self.position, self._pending = 0, None
+            self._commit()
+
+    def close(self) -> None:
+        """Free the model, arena and memory capsules (disk capsules stay)."""
+        with self._lock:
+            if self._active is not None:
+                self._interrupt.set()
+                self._finish(self._active, 'interrupted')
+            self._closed = True
+            self._ring.clear()
+            self.store.drop_memory_tiers()
+            self.engine.drop_graph()
+            del self.adapter, self.engine, self.arena
+            if self.device.type == 'cuda':
+                torch.cuda.empty_cache()
+
+    # ---- prefill / generate -----------------------------------------------------------
+
+    def prefill(self, prompt: str | Sequence[int]) -> int:
+        """Consume a prompt into the state; returns the new position (a committed boundary)."""
+        with self._lock:
+            self._check_idle()
+            self._prefill_ids(self._prompt_ids(prompt))
+            self._commit()
+            return self.position
+
+    def generate(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = ('\n\n',),
+        eos: bool = True,
+    ) -> Generation:
+        """Start a streaming turn (iterate it for TokenEvents); claims the writer slot now."""
+        if isinstance(stop, str):
+            stop = (stop,)
+        if (
+            isinstance(max_new_tokens, bool)
+            or not isinstance(max_new_tokens, int)
+            or max_new_tokens < 0
+        ):
+            raise InvalidRequestError('max_new_tokens must be an integer >= 0')
+        if not temperature >= 0.0 or not 0.0 < top_p <= 1.0 or top_k < 0:
+            raise InvalidRequestError('need temperature >= 0, 0 < top_p <= 1 and top_k >= 0')
+        sampling = _Sampling(
+            max_new_tokens,
+            float(temperature),
+            int(top_k),
+            float(top_p),
+            seed,
+            tuple(s for s in stop if s),
+            bool(eos),
+        )
+        with self._lock:
+            self._check_idle()
+            ids = None if prompt is None else self._prompt_ids(prompt)
+            if ids is None and self.position == 0 and self._pending is None:
+                raise InvalidRequestError(
+                    'nothing to continue from: the state is empty; pass a prompt'
+                )
+            gen = Generation(self, ids, sampling)
+            self._interrupt.clear()
+            self._active = gen
+            return gen
+
+    def interrupt(self) -> None:
+        """Make the running generation stop before its next step (no-op when none runs)."""
+        if self._active is not None:
+            self._interrupt.set()
+
+    def _generation_step(self, gen: Generation) -> TokenEvent:
+        with self._lock:
+            if gen.result is not None:
+                raise StopIteration
+            s = gen.sampling
+            if not gen.started:
+                gen.started, gen.t_start = True, time.perf_counter()
+                if s.seed is not None:
+                    self.generator.manual_seed(s.seed)
+                if gen.prompt_ids is not None:
+                    try:
+                        self._prefill_ids(gen.prompt_ids)
+                    except FlashRTError:
+                        self._release(gen)
+                        raise
+                    self._commit()  # end of prefill is a committed boundary
+            if self._interrupt.is_set():
+                self._finish(gen, 'interrupted')
+            elif len(gen.token_ids) >= s.max_new_tokens:
+                self._finish(gen, 'max_tokens')
+            elif self._pending is not None and self.position >= self.config.max_seq_len:
+                self._finish(gen, 'max_seq_len')
+            if gen.result is not None:
+                raise StopIteration
+            if self._pending is not None:
+                self._feed(self._pending)
+                self._pending = None
+            token = self.engine.sample(s.temperature, s.top_k, s.top_p, self.generator)
+            self._pending = token
+            now = time.perf_counter()
+            if not gen.token_ids:
+                gen.t_first = now
+            if s.eos and token in self.tokenizer.eos_token_ids:
+                self._finish(gen, 'eos')
+                raise StopIteration
+            gen.token_ids.append(token)
+            full = self.tokenizer.decode(gen.token_ids)
+            reason = (
+                'stop_string'
+                if any(x in full for x in s.stop)
+                else 'max_tokens' if len(gen.token_ids) >= s.max_new_tokens else None
+            )
+            # Hold back a trailing U+FFFD while more tokens may follow: it can be a multi-byte
+            # character cut in the middle. The last event flushes everything.
+            stable = full if reason else full.rstrip('\ufffd')
+            piece = stable[len(gen.emitted_text):] if stable.startswith(gen.emitted_text) else ''
+            if piece:
+                gen.emitted_text = stable
+            if reason:
+                self._finish(gen, reason)
+            return TokenEvent(len(gen.token_ids) - 1, token, piece)
+
+    def _release(self, gen: Generation) -> None:
+        if self._active is gen:
+            self._active = None
+            self._interrupt.clear()
+
+    def _finish(self, gen: Generation, reason: str) -> None:
+        """End of turn: build the result, commit the boundary, free the writer slot."""
+        with self._lock:
+            if gen.result is not None:
+                return
+            ids = list(gen.token_ids)
+            text = self.tokenizer.decode(ids)
+            if reason == 'stop_string':
+                text = text[: min(text.find(x) for x in gen.sampling.stop if x in text)]
+            n = len(ids)
+            now = time.perf_counter()
+            decode_s = now - gen.t_first if n > 1 else 0.0
+            tps = (n - 1) / decode_s if decode_s > 0 else 0.0
+            gen.result = GenerationResult(
+                ids,
+                text,
+                reason,
+                (gen.t_first - gen.t_start) if n else 0.0,
+                tps,
+                len(gen.prompt_ids or ()),
+            )
+            if tps > 0:
+                self._decode_tps = tps
+            if gen.started and self._active is gen and not self._closed:
+                self._commit()  # end of turn is a committed boundary
+            self._release(gen)
+
+    # ---- capsules ---------------------------------------------------------------------
+
+    def snapshot(self, name: str, tier: str = 'device', pinned: bool = False) -> CapsuleInfo:
+        """Capture the live state as capsule `name` (at the next step boundary if generating)."""
+        validate_name(name)
+        validate_tier(tier)
+        t0 = time.perf_counter()
+        with self._lock:
+            self._check_open()
+            cap = self._capture(name, tier, pinned=bool(pinned))
+        stored = self.store.put(cap)
+        return stored.info(time.perf_counter() - t0)
+
+    def restore(self, name: str, mode: str = 'full') -> CapsuleInfo:
+        """
+        Make capsule `name` the live state, all-or-nothing.
+
+        mode 'kv_only' is the ablation: it restores everything except the recurrent and
+        conv state.
+        """
+        validate_name(name)
+        if mode not in ('full', 'kv_only'):
+            raise InvalidRequestError(
+                f"restore mode {mode!r} is not valid; use 'full' or 'kv_only'"
+            )
+        t0 = time.perf_counter()
+        with self._lock:
+            self._check_idle()
+            cap = self.store.get(name)  # disk capsules are checksum-verified here
+            meta = self._check_capsule(cap)
+            kinds = None if mode == 'full' else set(self.arena.kinds) - KV_ONLY_SKIPS
+            self._apply(cap, meta, kinds)
+            if self.config.rollback_depth > 0:
+                # The restored state is a committed boundary. A device capsule is immutable, so
+                # the ring can hold the capsule itself (no copy); anything else is copied in.
+                reuse = mode == 'full' and cap.tier == 'device'
+                self._ring.append(
+                    cap
+                    if reuse
+                    else self._capture(f'@boundary-{self.position}', 'device', whole=False)
+                )
+            if self.device.type == 'cuda':
+                torch.cuda.synchronize(self.device)  # the info's latency covers the copy itself
+            dt = time.perf_counter() - t0
+            self._last_restore_s = dt
+            self._restore_times.append(dt)
+            return cap.info(dt)
+
+    def fork(self, source: str, target: str, tier: str | None = None) -> CapsuleInfo:
+        """Copy capsule `source` to a new name (optionally another tier); live state untouched."""
+        validate_name(source)
+        validate_name(target)
+        if source == target:
+            raise InvalidNameError('fork target must differ from the source name')
+        t0 = time.perf_counter()
+        cap = self.store.get(source)
+        tier = validate_tier(tier or cap.tier)
+        blob = move_blob(cap.blob, 'device' if tier == 'device' else 'host', self.device)
+        new = cap.with_blob(target, tier, blob)
+        stored = self.store.put(new)
+        return stored.info(time.perf_counter() - t0)
+
+    def rollback(self, boundaries: int = 1) -> CapsuleInfo:
+        """Return to the committed boundary `boundaries` back on the ring; drop newer ones."""
+        if isinstance(boundaries, bool) or not isinstance(boundaries, int) or boundaries < 1:
+            raise InvalidRequestError('boundaries must be an integer >= 1')
+        t0 = time.perf_counter()
+        with self._lock:
+            self._check_idle()
+            if self.config.rollback_depth <= 0:
+                raise InvalidRequestError('rollback is disabled (rollback_depth is 0)')
+            # The ring's newest entry is the live state's own boundary (every change ends in a
+            # commit).
+            if boundaries >= len(self._ring):
+                raise InvalidRequestError(
+                    f'only {len(self._ring) - 1} earlier boundaries are kept; '
+                    f'raise rollback_depth to go further back'
+                )
+            target = self._ring[-1 - boundaries]
+            meta = self._check_capsule(target)
+            self._apply(target, meta)
+            for _ in range(boundaries):
+                self._ring.pop()
+            dt = time.perf_counter() - t0
+            info = target.info(dt)
+            return CapsuleInfo(
+                f'@boundary-{target.position}',
+                'device',
+                info.nbytes,
+                info.position,
+                info.created,
+                info.checksum,
+                info.fingerprint,
+                info.components,
+                False,
+                dt,
+            )
+
+    def list_capsules(self, tier: str | None = None) -> list[CapsuleInfo]:
+        if tier is not None:
+            validate_tier(tier)
+        return self.store.infos(tier)
+
+    def delete_capsule(self, name: str) -> CapsuleInfo:
+        t0 = time.perf_counter()
+        info = self.store.delete(name)
+        return CapsuleInfo(**{**info.__dict__, 'latency_s': time.perf_counter() - t0})
+
+    def verify_capsule(self, name: str) -> CapsuleInfo:
+        t0 = time.perf_counter()
+        info = self.store.verify(name)
+        return CapsuleInfo(**{**info.__dict__, 'latency_s': time.perf_counter() - t0})
+
+    # ---- introspection ----------------------------------------------------------------
+
+    def state_digest(self) -> str:
+        """sha256 over every arena byte and the non-tensor state (RNG state included)."""
+        with self._lock:
+            self._check_open()
+            h = hashlib.sha256()
+            self.arena.digest(h)
+            h.update(json.dumps(self._meta(), sort_keys=True).encode())
+            return h.hexdigest()
+
+    def stats(self) -> dict:
+        times = sorted(self._restore_times)
+        p99 = times[min(len(times) - 1, int(0.99 * len(times)))] if times else 0.0
+        tiers = {
+            t: {
+                'count': self.store.count(t),
+                'bytes_used': self.store.used_bytes(t),
+                'budget': self.store.budgets[t],
+            }
+            for t in ('device', 'host', 'disk')
+        }
+        ring = list(self._ring) if self.config.rollback_depth > 0 else []
+        return {
+            'model': self.config.model,
+            'family': self.adapter.family if not self._closed else '',
+            'device': str(self.device),
+            'dtype': self.config.dtype,
+            'state_nbytes': self.state_nbytes if not self._closed else 0,
+            'position': self.position,
+            'tiers': tiers,
+            'rollback_ring': {
+                'count': len(ring),
+                'bytes_used': sum(c.nbytes for c in ring),
+                'depth': self.config.rollback_depth,
+            },
+            'last_restore_s': self._last_restore_s,
+            'p99_restore_s': p99,
+            'decode_tokens_per_s': self._decode_tps,
+            'cuda_graph': bool(not self._closed and self.engine.graph is not None),
+            'cuda_graph_note': None if self._closed else self.engine.graph_error,
+        }

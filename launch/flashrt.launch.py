@@ -1,0 +1,56 @@
+"""
+Launch one flashrt node with config/flashrt.yaml.
+
+    ros2 launch flashrt_ros flashrt.launch.py
+    ros2 launch flashrt_ros flashrt.launch.py model:=/models/qwen3.5-0.8b device:=cuda \
+        dtype:=bfloat16 namespace:=arm log_level:=debug
+"""
+
+import os
+
+from ament_index_python.packages import get_package_share_directory
+from launch import LaunchDescription
+from launch.actions import DeclareLaunchArgument
+from launch.substitutions import LaunchConfiguration
+from launch_ros.actions import LifecycleNode
+from launch_ros.parameter_descriptions import ParameterValue
+
+
+def generate_launch_description():
+    """Start the flashrt lifecycle node; with autostart it walks itself to active."""
+    default_params = os.path.join(get_package_share_directory('flashrt_ros'), 'config',
+                                  'flashrt.yaml')
+    arguments = [
+        DeclareLaunchArgument('model', default_value='builtin:tiny-hybrid',
+                              description='builtin:<id> or a local checkpoint directory'),
+        DeclareLaunchArgument('device', default_value='cpu', description='cpu | cuda | cuda:N'),
+        DeclareLaunchArgument('dtype', default_value='float32',
+                              description='float32 | bfloat16 | float16'),
+        DeclareLaunchArgument('params_file', default_value=default_params,
+                              description='parameter file (see config/flashrt.yaml)'),
+        DeclareLaunchArgument('namespace', default_value='',
+                              description='namespace of the node (and of its topics)'),
+        DeclareLaunchArgument('log_level', default_value='info',
+                              description='debug | info | warn | error'),
+        DeclareLaunchArgument('autostart', default_value='true',
+                              description='configure and activate at startup'),
+    ]
+    node = LifecycleNode(
+        package='flashrt_ros',
+        executable='flashrt_node',
+        name='flashrt',
+        namespace=LaunchConfiguration('namespace'),
+        output='screen',
+        parameters=[
+            LaunchConfiguration('params_file'),
+            {
+                # value_type=str: a model path or id must never be parsed as YAML
+                'model': ParameterValue(LaunchConfiguration('model'), value_type=str),
+                'device': ParameterValue(LaunchConfiguration('device'), value_type=str),
+                'dtype': ParameterValue(LaunchConfiguration('dtype'), value_type=str),
+                'autostart': ParameterValue(LaunchConfiguration('autostart'), value_type=bool),
+            },
+        ],
+        arguments=['--ros-args', '--log-level', LaunchConfiguration('log_level')],
+    )
+    return LaunchDescription(arguments + [node])

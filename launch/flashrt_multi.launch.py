@@ -1,0 +1,64 @@
+"""
+Launch several flashrt nodes, one per namespace (e.g. one model per arm or per robot).
+
+    ros2 launch flashrt_ros flashrt_multi.launch.py namespaces:=left_arm,right_arm
+
+Each instance is /<namespace>/flashrt with its own topics, services and capsule directory
+(<capsule_root>/<namespace>), so capsule names never collide between instances.
+"""
+
+import os
+
+from ament_index_python.packages import get_package_share_directory
+from launch import LaunchDescription
+from launch.actions import DeclareLaunchArgument, OpaqueFunction
+from launch.substitutions import LaunchConfiguration
+from launch_ros.actions import LifecycleNode
+
+
+def _instances(context):
+    namespaces = [ns.strip() for ns in
+                  LaunchConfiguration('namespaces').perform(context).split(',') if ns.strip()]
+    params_file = LaunchConfiguration('params_file').perform(context)
+    capsule_root = LaunchConfiguration('capsule_root').perform(context)
+    overrides = {
+        'model': LaunchConfiguration('model').perform(context),
+        'device': LaunchConfiguration('device').perform(context),
+        'dtype': LaunchConfiguration('dtype').perform(context),
+    }
+    return [
+        LifecycleNode(
+            package='flashrt_ros',
+            executable='flashrt_node',
+            name='flashrt',
+            namespace=ns,
+            output='screen',
+            parameters=[params_file,
+                        dict(overrides, capsule_dir=os.path.join(capsule_root, ns))],
+            arguments=['--ros-args', '--log-level',
+                       LaunchConfiguration('log_level').perform(context)],
+        )
+        for ns in namespaces
+    ]
+
+
+def generate_launch_description():
+    """Start one flashrt node per namespace in `namespaces`."""
+    default_params = os.path.join(get_package_share_directory('flashrt_ros'), 'config',
+                                  'flashrt.yaml')
+    return LaunchDescription([
+        DeclareLaunchArgument('namespaces', default_value='left_arm,right_arm',
+                              description='comma-separated namespaces, one node each'),
+        DeclareLaunchArgument('model', default_value='builtin:tiny-hybrid',
+                              description='builtin:<id> or a local checkpoint directory'),
+        DeclareLaunchArgument('device', default_value='cpu', description='cpu | cuda | cuda:N'),
+        DeclareLaunchArgument('dtype', default_value='float32',
+                              description='float32 | bfloat16 | float16'),
+        DeclareLaunchArgument('params_file', default_value=default_params,
+                              description='parameter file shared by the instances'),
+        DeclareLaunchArgument('capsule_root', default_value='~/.cache/flashrt_ros/capsules',
+                              description='parent of the per-instance capsule directories'),
+        DeclareLaunchArgument('log_level', default_value='info',
+                              description='debug | info | warn | error'),
+        OpaqueFunction(function=_instances),
+    ])

@@ -1,0 +1,291 @@
+"""The generate action, token streaming, interrupts and resets over real DDS."""
+
+import threading
+import time
+
+from action_msgs.msg import GoalStatus
+from flashrt_ros.msg import Interrupt
+from node_harness import HOME
+import pytest
+from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
+from rcl_interfaces.srv import SetParameters
+
+BUSY = 'a generation is running; cancel it or publish ~/interrupt'
+LONG = 600  # tokens: a turn that is still running when the test acts on it
+
+
+def _wait(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _start_long(client, **kwargs):
+    run = client.start_generate('Tell me a long story.', max_new_tokens=LONG, **kwargs)
+    assert run.accepted
+    assert _wait(lambda: len(run.chunks) >= 2), 'no tokens streamed'
+    return run
+
+
+def _set_param(client, name, value):
+    cli = client.node.create_client(SetParameters, f'{client.base}/set_parameters')
+    try:
+        request = SetParameters.Request(parameters=[Parameter(name=name, value=ParameterValue(
+            type=ParameterType.PARAMETER_STRING, string_value=value))])
+        response = client._call(cli, request)
+        assert response.results[0].successful, response.results[0].reason
+    finally:
+        client.node.destroy_client(cli)
+
+
+def test_generate_streams_tokens(client, at_home):
+    streamed = []
+    sub = client.subscribe_tokens(streamed.append)
+    time.sleep(0.3)
+    try:
+        outcome = client.generate('Hello robot.', max_new_tokens=12)
+        assert _wait(lambda: any(c.final for c in streamed))
+    finally:
+        client.node.destroy_subscription(sub)
+    result = outcome.result
+    assert outcome.status == GoalStatus.STATUS_SUCCEEDED
+    assert result.success and result.stop_reason == 'max_tokens'
+    assert len(result.token_ids) == 12
+    assert result.time_to_first_token_ms > 0.0 and result.tokens_per_second > 0.0
+    assert result.position == len('You are a helpful robot.') + len('Hello robot.') + 11
+    feedback_ids = [t for c in outcome.chunks for t in c.token_ids]
+    assert feedback_ids == list(result.token_ids)
+    assert outcome.chunks[-1].final and outcome.chunks[-1].stop_reason == 'max_tokens'
+    assert [c.index for c in outcome.chunks[:3]] == [0, 1, 2]
+    turn = outcome.chunks[0].turn_id
+    topic_ids = [t for c in streamed if c.turn_id == turn for t in c.token_ids]
+    assert topic_ids == list(result.token_ids)
+
+
+def test_restore_home_gives_identical_tokens(client, at_home):
+    first = client.generate('Where is the cup?', max_new_tokens=10)
+    assert client.restore(HOME).success
+    assert client.state_digest() == at_home
+    second = client.generate('Where is the cup?', max_new_tokens=10)
+    assert first.token_ids == second.token_ids
+    third = client.generate('Where is the cup?', start_from=HOME, max_new_tokens=10)
+    assert third.token_ids == first.token_ids
+
+
+def test_restore_during_generation_is_refused(client, at_home):
+    run = _start_long(client)
+    response = client.restore(HOME)
+    assert not response.success and response.message == BUSY
+    response = client.rollback(1)
+    assert not response.success and response.message == BUSY
+    snap = client.snapshot('mid_turn')  # taken at the next step boundary
+    assert snap.success, snap.message
+    assert client.list_capsules().success
+    assert len(run.chunks) < LONG
+    run.cancel()
+    outcome = run.result(30.0)
+    assert outcome.status == GoalStatus.STATUS_CANCELED
+    assert outcome.result.stop_reason == 'interrupted'
+    assert len(outcome.token_ids) < LONG
+    # interrupt_policy of the test node is restore_home
+    assert _wait(lambda: client.state_digest() == at_home, 5.0)
+    assert client.delete_capsule('mid_turn').success
+
+
+def test_cancel_stops_within_a_step(client, at_home, events):
+    start = len(events.events)
+    run = _start_long(client)
+    run.cancel()
+    t0 = time.monotonic()
+    outcome = run.result(30.0)
+    assert time.monotonic() - t0 < 5.0
+    assert outcome.status == GoalStatus.STATUS_CANCELED
+    assert outcome.chunks[-1].final and outcome.chunks[-1].stop_reason == 'interrupted'
+    event = events.wait_for(lambda e: e.operation == 'interrupt', start=start)
+    assert event is not None and event.success and 'restore_home' in event.message
+
+
+def test_second_goal_rejected(client, at_home):
+    run = _start_long(client)
+    try:
+        second = client.start_generate('Me too.', max_new_tokens=4)
+        assert not second.accepted
+        assert not second.result().accepted
+    finally:
+        run.cancel()
+        run.result(30.0)
+
+
+def test_goal_queue(client, at_home):
+    _set_param(client, 'goal_policy', 'queue')
+    try:
+        first = client.start_generate('One.', max_new_tokens=30, start_from=HOME)
+        second = client.start_generate('Two.', max_new_tokens=5, start_from=HOME)
+        assert first.accepted and second.accepted
+        one, two = first.result(30.0), second.result(30.0)
+        assert one.result.success and two.result.success
+        assert len(one.token_ids) == 30 and len(two.token_ids) == 5
+        assert one.chunks[0].turn_id < two.chunks[0].turn_id
+    finally:
+        _set_param(client, 'goal_policy', 'reject')
+
+
+def test_interrupt_restore_topic(client, at_home, events):
+    start = len(events.events)
+    run = _start_long(client)
+    client.interrupt(mode=Interrupt.RESTORE, capsule=HOME, reason='barge-in')
+    outcome = run.result(30.0)
+    assert outcome.status == GoalStatus.STATUS_SUCCEEDED
+    assert outcome.result.stop_reason == 'interrupted'
+    event = events.wait_for(lambda e: e.operation == 'interrupt', start=start)
+    assert event is not None and event.success, event
+    assert event.name == HOME and 'barge-in' in event.message
+    assert 0.0 < event.latency_ms < 2000.0
+    assert event.position == len('You are a helpful robot.')
+    assert client.state_digest() == at_home
+
+
+def test_interrupt_stop_keeps_the_boundary(client, at_home, events):
+    start = len(events.events)
+    run = _start_long(client)
+    client.interrupt(mode=Interrupt.STOP, reason='e-stop')
+    outcome = run.result(30.0)
+    assert outcome.result.stop_reason == 'interrupted'
+    assert len(outcome.token_ids) < LONG
+    event = events.wait_for(lambda e: e.operation == 'interrupt', start=start)
+    assert event is not None and event.success
+    assert event.position == outcome.result.position
+    assert client.state_digest() != at_home
+
+
+def test_interrupt_rollback(client, at_home, events):
+    outcome = client.generate('Pick it up.', max_new_tokens=5)
+    assert outcome.result.success
+    start = len(events.events)
+    client.interrupt(mode=Interrupt.ROLLBACK, boundaries=2)
+    event = events.wait_for(lambda e: e.operation == 'interrupt', start=start)
+    assert event is not None and event.success, event
+    assert client.state_digest() == at_home
+
+
+def test_interrupt_policy_from_parameter(client, at_home, events):
+    client.generate('Something.', max_new_tokens=3)
+    start = len(events.events)
+    client.interrupt()  # POLICY -> restore_home on the test node
+    event = events.wait_for(lambda e: e.operation == 'interrupt', start=start)
+    assert event is not None and event.success and event.name == HOME
+    assert client.state_digest() == at_home
+
+
+def test_interrupt_bad_capsule_keeps_serving(client, at_home, events):
+    client.generate('Something.', max_new_tokens=3)
+    before = client.state_digest()
+    start = len(events.events)
+    client.interrupt(mode=Interrupt.RESTORE, capsule='nowhere')
+    event = events.wait_for(lambda e: e.operation == 'interrupt', start=start)
+    assert event is not None and not event.success and 'not found' in event.message
+    client.interrupt(mode=99)
+    event = events.wait_for(lambda e: e.operation == 'interrupt' and 'mode' in e.message,
+                            start=start)
+    assert event is not None and not event.success
+    assert client.state_digest() == before
+    assert client.generate('Still here?', max_new_tokens=2).result.success
+
+
+def test_reset_topic(client, at_home, events):
+    run = _start_long(client)
+    start = len(events.events)
+    client.reset()
+    run.result(30.0)
+    event = events.wait_for(lambda e: e.operation == 'reset', start=start)
+    assert event is not None and event.success and event.name == HOME
+    assert event.latency_ms > 0.0
+    assert client.state_digest() == at_home
+    client.generate('More.', max_new_tokens=3)
+    start = len(events.events)
+    client.reset()
+    assert events.wait_for(lambda e: e.operation == 'reset', start=start) is not None
+    assert client.state_digest() == at_home
+
+
+def test_prompt_topic(client, at_home):
+    streamed = []
+    sub = client.subscribe_tokens(streamed.append)
+    time.sleep(0.3)
+    try:
+        client.publish_prompt('Where am I?')
+        assert _wait(lambda: any(c.final for c in streamed), 20.0)
+    finally:
+        client.node.destroy_subscription(sub)
+    ids = [t for c in streamed for t in c.token_ids]
+    assert len(ids) == 16  # the node's max_new_tokens parameter
+    assert streamed[-1].stop_reason == 'max_tokens'
+    assert client.state_digest() != at_home
+
+
+def test_service_call_from_token_callback(client, at_home):
+    answers = []
+
+    def on_chunk(chunk):
+        if chunk.index == 1:  # call services synchronously from inside the callback
+            answers.append(client.snapshot('from_callback'))
+            answers.append(client.restore(HOME))
+            answers.append(client.list_capsules())
+
+    outcome = client.generate('Callback.', max_new_tokens=8, feedback_callback=on_chunk,
+                              timeout=30.0)
+    assert outcome.result.success
+    assert len(answers) == 3
+    assert answers[0].success and not answers[1].success and answers[2].success
+    assert answers[1].message == BUSY
+    assert client.delete_capsule('from_callback').success
+
+
+def test_start_from_and_save_as(client, at_home):
+    outcome = client.generate('Remember this.', start_from=HOME, save_as='remembered',
+                              max_new_tokens=4)
+    assert outcome.result.success, outcome.message
+    listed = {c.name: c for c in client.list_capsules().capsules}
+    assert listed['remembered'].position == outcome.result.position
+    missing = client.generate('x', start_from='nowhere', max_new_tokens=4)
+    assert missing.status == GoalStatus.STATUS_ABORTED
+    assert not missing.result.success and 'not found' in missing.result.message
+    assert missing.result.stop_reason == 'error'
+    bad_save = client.generate('x', save_as='../bad', max_new_tokens=2)
+    assert not bad_save.result.success and 'save_as' in bad_save.result.message
+    assert client.delete_capsule('remembered').success
+
+
+@pytest.mark.parametrize('kwargs, words', [
+    ({'top_p': 0.0}, 'top_p'),
+    ({'token_ids': [100000]}, 'vocabulary'),
+])
+def test_bad_goal_is_reported(client, at_home, kwargs, words):
+    outcome = client.generate('x', max_new_tokens=2, **kwargs)
+    assert not outcome.result.success and words in outcome.result.message
+    assert client.state_digest() == at_home
+    assert client.generate('ok', max_new_tokens=2).result.success
+
+
+def test_generation_survives_parallel_queries(client, at_home):
+    run = _start_long(client)
+    digests, errors = [], []
+
+    def query():
+        try:
+            for _ in range(5):
+                digests.append(client.state_digest())
+                assert client.list_capsules().success
+        except Exception as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=query)
+    thread.start()
+    thread.join(30)
+    run.cancel()
+    run.result(30.0)
+    assert not errors and len(digests) == 5
+    assert len(set(digests)) > 1  # each digest is a different step boundary

@@ -1,0 +1,259 @@
+"""Capsule store: fork, rollback, disk tier, corruption, budgets and names."""
+
+import os
+
+from conftest import greedy, OTHER_PROMPT, PROMPT
+from flashrt_ros.runtime import (
+    BudgetExceededError,
+    CapsuleNotFoundError,
+    CorruptCapsuleError,
+    FingerprintMismatchError,
+    InvalidNameError,
+    InvalidRequestError,
+)
+import pytest
+import torch
+
+
+def _blob_bytes(rt, name):
+    return bytes(rt.store.get(name).blob.cpu().numpy())
+
+
+def test_fork_gives_independent_branches(make_runtime):
+    rt = make_runtime()
+    rt.prefill(PROMPT)
+    rt.snapshot('trunk')
+    fork = rt.fork('trunk', 'branch')
+    assert fork.name == 'branch' and fork.position == rt.position
+    trunk_bytes = _blob_bytes(rt, 'trunk')
+    assert _blob_bytes(rt, 'branch') == trunk_bytes
+    assert rt.store.get('branch').blob.data_ptr() != rt.store.get('trunk').blob.data_ptr()
+    # Advance the branch and save over it; the trunk stays byte-identical.
+    rt.restore('branch')
+    branch_tokens = greedy(rt, 8, prompt=OTHER_PROMPT)
+    rt.snapshot('branch')
+    assert _blob_bytes(rt, 'trunk') == trunk_bytes
+    rt.restore('trunk')
+    trunk_tokens = greedy(rt, 8, prompt=OTHER_PROMPT)
+    assert trunk_tokens == branch_tokens  # same start, same input -> same tokens
+    assert rt.list_capsules()[0].name == 'trunk'
+    assert {c.name for c in rt.list_capsules()} == {'trunk', 'branch'}
+
+
+def test_fork_across_tiers(make_runtime):
+    rt = make_runtime()
+    rt.prefill(PROMPT)
+    rt.snapshot('a')
+    digest = rt.state_digest()
+    assert rt.fork('a', 'a-host', tier='host').tier == 'host'
+    assert rt.fork('a-host', 'a-disk', tier='disk').tier == 'disk'
+    greedy(rt, 5)
+    rt.restore('a-disk')
+    assert rt.state_digest() == digest
+
+
+def test_rollback_returns_to_earlier_boundaries_exactly(make_runtime):
+    rt = make_runtime(rollback_depth=4)
+    rt.prefill(PROMPT)
+    after_prefill = rt.state_digest()
+    first = greedy(rt, 6)
+    after_turn = rt.state_digest()
+    greedy(rt, 6, prompt=OTHER_PROMPT)  # two more boundaries: end of prefill, end of turn
+    info = rt.rollback(2)
+    assert info.name == f'@boundary-{rt.position}'
+    assert rt.state_digest() == after_turn
+    info = rt.rollback(1)
+    assert rt.state_digest() == after_prefill and info.position == rt.position
+    assert greedy(rt, 6) == first
+    with pytest.raises(InvalidRequestError, match='boundaries'):
+        rt.rollback(10)
+
+
+def test_rollback_undoes_a_restore(make_runtime):
+    rt = make_runtime()
+    rt.snapshot('empty')
+    rt.prefill(PROMPT)
+    digest = rt.state_digest()
+    rt.restore('empty')
+    rt.rollback(1)
+    assert rt.state_digest() == digest
+
+
+def test_disk_round_trip_across_runtimes(make_runtime):
+    rt = make_runtime()
+    rt.prefill(PROMPT)
+    info = rt.snapshot('saved', tier='disk')
+    assert info.tier == 'disk' and len(info.checksum) == 64
+    digest = rt.state_digest()
+    expected = greedy(rt, 10)
+    rt.close()
+    fresh = make_runtime()
+    assert [c.name for c in fresh.list_capsules(tier='disk')] == ['saved']
+    fresh.restore('saved')
+    assert fresh.state_digest() == digest
+    assert greedy(fresh, 10) == expected
+
+
+def _disk_file(rt, name):
+    return rt.config.capsule_path / f'{name}.safetensors'
+
+
+def _damage_flip(path):
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01  # inside the blob
+    path.write_bytes(bytes(data))
+
+
+def _damage_header(path):
+    data = bytearray(path.read_bytes())
+    i = data.index(b'"position')
+    data[i + 1] = ord('q')  # still valid JSON for safetensors, wrong content
+    path.write_bytes(bytes(data))
+
+
+def _damage_truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize('damage', [_damage_flip, _damage_header, _damage_truncate])
+def test_damaged_disk_capsule_is_refused_and_state_untouched(make_runtime, damage):
+    rt = make_runtime()
+    rt.prefill(PROMPT)
+    rt.snapshot('c', tier='disk')
+    greedy(rt, 4, prompt=OTHER_PROMPT)
+    live = rt.state_digest()
+    damage(_disk_file(rt, 'c'))
+    with pytest.raises(CorruptCapsuleError, match='delete'):
+        rt.restore('c')
+    assert rt.state_digest() == live
+    with pytest.raises(CorruptCapsuleError):
+        rt.verify_capsule('c')
+
+
+def test_capsule_from_another_model_is_refused(make_runtime):
+    other = make_runtime('builtin:tiny-qwen3-5')
+    other.prefill(PROMPT)
+    other.snapshot('foreign', tier='disk')
+    longer = make_runtime(max_seq_len=256)  # same model, other layout
+    longer.prefill(PROMPT)
+    longer.snapshot('long', tier='disk')
+    rt = make_runtime()
+    rt.prefill(OTHER_PROMPT)
+    live = rt.state_digest()
+    for name in ('foreign', 'long'):
+        with pytest.raises(FingerprintMismatchError, match='different model'):
+            rt.restore(name)
+        assert rt.state_digest() == live
+
+
+def test_verify_seals_and_detects_memory_corruption(make_runtime):
+    rt = make_runtime()
+    rt.prefill(PROMPT)
+    assert rt.snapshot('m').checksum == ''  # lazy: not computed on the fast path
+    sealed = rt.verify_capsule('m')
+    assert len(sealed.checksum) == 64
+    assert rt.verify_capsule('m').checksum == sealed.checksum
+    rt.store.get('m').blob[3] ^= 0xFF  # simulate a bit flip in memory
+    with pytest.raises(CorruptCapsuleError):
+        rt.verify_capsule('m')
+
+
+def test_budget_refuse_policy_and_exact_accounting(make_runtime):
+    probe = make_runtime()
+    probe.prefill(PROMPT)
+    size = probe.snapshot('x').nbytes
+    rt = make_runtime(device_budget_bytes=2 * size + size // 2, eviction='refuse')
+    rt.prefill(PROMPT)
+    a, b = rt.snapshot('a'), rt.snapshot('b')
+    assert rt.stats()['tiers']['device']['bytes_used'] == a.nbytes + b.nbytes
+    assert sum(c.nbytes for c in rt.list_capsules('device')) == a.nbytes + b.nbytes
+    with pytest.raises(BudgetExceededError, match='full'):
+        rt.snapshot('c')
+    assert {c.name for c in rt.list_capsules()} == {'a', 'b'}
+    rt.snapshot('a')  # overwriting frees the old copy first
+    rt.delete_capsule('b')
+    assert rt.stats()['tiers']['device'] == {
+        'count': 1,
+        'bytes_used': a.nbytes,
+        'budget': 2 * size + size // 2,
+    }
+
+
+def test_budget_lru_evicts_oldest_unpinned(make_runtime):
+    probe = make_runtime()
+    probe.prefill(PROMPT)
+    size = probe.snapshot('x').nbytes
+    rt = make_runtime(device_budget_bytes=3 * size, eviction='lru')
+    rt.prefill(PROMPT)
+    rt.snapshot('pinned', pinned=True)
+    rt.snapshot('old')
+    rt.snapshot('young')
+    rt.restore('old')  # 'young' is now least recently used
+    rt.snapshot('new')
+    assert {c.name for c in rt.list_capsules()} == {'pinned', 'old', 'new'}
+    assert rt.stats()['tiers']['device']['bytes_used'] == 3 * size
+    with pytest.raises(BudgetExceededError):
+        make_runtime(device_budget_bytes=size // 2, eviction='lru').snapshot('too-big')
+
+
+def test_disk_budget_counts_file_bytes(make_runtime):
+    rt = make_runtime(disk_budget_bytes=1 << 30)
+    rt.prefill(PROMPT)
+    info = rt.snapshot('d', tier='disk')
+    path = _disk_file(rt, 'd')
+    assert info.nbytes == os.path.getsize(path) == rt.stats()['tiers']['disk']['bytes_used']
+    rt.delete_capsule('d')
+    assert not path.exists() and rt.stats()['tiers']['disk']['bytes_used'] == 0
+
+
+@pytest.mark.parametrize(
+    'name',
+    [
+        '',
+        '../escape',
+        'a/b',
+        'a\\b',
+        '..',
+        '.hidden',
+        'x' * 129,
+        'semi;colon',
+        'sp ace',
+        None,
+        '@boundary-3',
+    ],
+)
+def test_bad_names_are_refused(make_runtime, name):
+    rt = make_runtime()
+    for call in (
+        lambda: rt.snapshot(name),
+        lambda: rt.snapshot(name, tier='disk'),
+        lambda: rt.restore(name),
+        lambda: rt.delete_capsule(name),
+        lambda: rt.fork('ok', name),
+    ):
+        with pytest.raises(InvalidNameError):
+            call()
+    assert not list(rt.config.capsule_path.parent.rglob('*escape*'))
+
+
+def test_unknown_names_are_refused(make_runtime):
+    rt = make_runtime()
+    live = rt.state_digest()
+    for call in (
+        lambda: rt.restore('nope'),
+        lambda: rt.fork('nope', 'x'),
+        lambda: rt.delete_capsule('nope'),
+        lambda: rt.verify_capsule('nope'),
+    ):
+        with pytest.raises(CapsuleNotFoundError, match='list_capsules'):
+            call()
+    assert rt.state_digest() == live
+
+
+def test_packed_snapshot_is_smaller_than_the_arena(make_runtime):
+    rt = make_runtime(max_seq_len=512)
+    rt.prefill(PROMPT)
+    host = rt.snapshot('h', tier='host')
+    assert host.nbytes < rt.state_nbytes / 2
+    assert isinstance(rt.store.get('h').blob, torch.Tensor)

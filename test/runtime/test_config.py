@@ -1,0 +1,59 @@
+"""RuntimeConfig validation: unknown keys and bad values are refused with a clear message."""
+
+from flashrt_ros.runtime import ConfigError, RuntimeConfig
+import pytest
+
+
+def test_defaults_match_the_contract():
+    cfg = RuntimeConfig()
+    assert cfg.model == 'builtin:tiny-hybrid'
+    assert (cfg.device, cfg.dtype, cfg.eviction) == ('cpu', 'float32', 'refuse')
+    assert cfg.max_seq_len == 4096 and cfg.rollback_depth == 8
+
+
+def test_from_dict_and_yaml(tmp_path):
+    cfg = RuntimeConfig.from_dict(
+        {'model': 'builtin:tiny-lfm2', 'max_seq_len': 64, 'eviction': 'lru'}
+    )
+    assert (cfg.model, cfg.max_seq_len, cfg.eviction) == ('builtin:tiny-lfm2', 64, 'lru')
+    path = tmp_path / 'rt.yaml'
+    path.write_text('model: builtin:tiny-mamba2\ndtype: bfloat16\ncuda_graphs: false\n')
+    cfg = RuntimeConfig.from_yaml(path)
+    assert (cfg.model, cfg.dtype, cfg.cuda_graphs) == ('builtin:tiny-mamba2', 'bfloat16', False)
+
+
+@pytest.mark.parametrize(
+    'values, words',
+    [
+        ({'modle': 'x'}, 'unknown config keys'),
+        ({'device': 'gpu'}, 'device'),
+        ({'dtype': 'float8'}, 'dtype'),
+        ({'max_seq_len': 0}, 'max_seq_len'),
+        ({'max_seq_len': 1.5}, 'max_seq_len'),
+        ({'device_budget_bytes': -1}, 'device_budget_bytes'),
+        ({'host_budget_bytes': True}, 'host_budget_bytes'),
+        ({'eviction': 'fifo'}, 'eviction'),
+        ({'cuda_graphs': 'yes'}, 'cuda_graphs'),
+        ({'rollback_depth': -2}, 'rollback_depth'),
+        ({'model': ''}, 'model'),
+    ],
+)
+def test_bad_values_are_refused(values, words):
+    with pytest.raises(ConfigError, match=words):
+        RuntimeConfig.from_dict(values)
+
+
+def test_bad_yaml_is_a_config_error(tmp_path):
+    path = tmp_path / 'bad.yaml'
+    path.write_text('model: [unclosed\n')
+    with pytest.raises(ConfigError, match='not valid YAML'):
+        RuntimeConfig.from_yaml(path)
+    with pytest.raises(ConfigError, match='cannot read'):
+        RuntimeConfig.from_yaml(tmp_path / 'missing.yaml')
+
+
+def test_unknown_model_ids_fail_clearly(make_runtime, tmp_path):
+    with pytest.raises(ConfigError, match='builtin:tiny-hybrid'):
+        make_runtime('builtin:no-such-model')
+    with pytest.raises(ConfigError, match='checkpoint directory'):
+        make_runtime(str(tmp_path / 'nowhere'))

@@ -1,0 +1,50 @@
+"""CUDA-only checks: graph capture, device/host tiers on a GPU. Skipped without a GPU."""
+
+from conftest import greedy, PROMPT
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
+
+
+@pytest.mark.parametrize(
+    'model', ['builtin:tiny-hybrid', 'builtin:tiny-llama', 'builtin:tiny-mamba2']
+)
+def test_graph_decode_matches_eager(make_runtime, model):
+    eager = make_runtime(model, device='cuda', cuda_graphs=False)
+    graphed = make_runtime(model, device='cuda', cuda_graphs=True)
+    graphed.warmup()
+    stats = graphed.stats()
+    assert stats['cuda_graph'], stats['cuda_graph_note']
+    assert greedy(graphed, 16, prompt=PROMPT) == greedy(eager, 16, prompt=PROMPT)
+
+
+@pytest.mark.parametrize('tier', ['device', 'host', 'disk'])
+def test_restore_exact_on_cuda(make_runtime, tier):
+    rt = make_runtime(device='cuda', dtype='bfloat16')
+    rt.warmup()
+    rt.prefill(PROMPT)
+    rt.snapshot('c', tier=tier)
+    digest = rt.state_digest()
+    first = greedy(rt, 12)
+    rt.restore('c')
+    assert rt.state_digest() == digest
+    assert greedy(rt, 12) == first
+    blob = rt.store.get('c').blob
+    if tier == 'device':
+        assert blob.is_cuda
+    elif tier == 'host':
+        assert not blob.is_cuda and blob.is_pinned()
+
+
+def test_graph_survives_restore_and_rollback(make_runtime):
+    rt = make_runtime(device='cuda')
+    rt.warmup()
+    rt.prefill(PROMPT)
+    rt.snapshot('a')
+    first = greedy(rt, 10)
+    rt.rollback(1)
+    assert greedy(rt, 10) == first
+    rt.restore('a')
+    assert greedy(rt, 10) == first
+    assert rt.stats()['cuda_graph']

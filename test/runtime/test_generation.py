@@ -1,0 +1,185 @@
+"""Streaming generation: stop conditions, interrupt, and the one-writer rules across threads."""
+
+import threading
+import time
+
+from conftest import greedy, PROMPT
+from flashrt_ros.runtime import BusyError, InvalidRequestError, TokenEvent
+import pytest
+
+
+def test_stream_events_and_result(make_runtime):
+    rt = make_runtime()
+    gen = rt.generate(prompt=PROMPT, max_new_tokens=8, stop=(), eos=False)
+    assert gen.result is None and rt.generating
+    events = list(gen)
+    assert all(isinstance(e, TokenEvent) for e in events)
+    assert [e.index for e in events] == list(range(8))
+    res = gen.result
+    assert res.stop_reason == 'max_tokens' and res.token_ids == [e.token_id for e in events]
+    assert res.prompt_tokens == len(rt.tokenize(PROMPT))
+    assert res.text == rt.detokenize(res.token_ids) == ''.join(e.text for e in events)
+    assert res.ttft_s > 0 and res.tokens_per_s > 0
+    assert not rt.generating
+    assert rt.position == res.prompt_tokens + 7  # the last token is pending, not yet consumed
+
+
+def test_eos_stops_without_emitting_it(make_runtime, monkeypatch):
+    rt = make_runtime()
+    rt.prefill(PROMPT)
+    rt.snapshot('a')
+    ids = greedy(rt, 6)
+    rt.restore('a')
+    monkeypatch.setattr(type(rt.tokenizer), 'eos_token_ids', property(lambda self: (ids[3],)))
+    gen = rt.generate(max_new_tokens=20, stop=(), eos=True)
+    assert [e.token_id for e in gen] == ids[:3]
+    assert gen.result.stop_reason == 'eos'
+
+
+def test_stop_string_truncates_text(make_runtime):
+    rt = make_runtime()
+    rt.prefill(PROMPT)
+    rt.snapshot('a')
+    gen = rt.generate(max_new_tokens=24, stop=(), eos=False)
+    list(gen)
+    text = gen.result.text
+    stop = next(
+        text[i:i + 2] for i in range(4, len(text) - 2) if '\ufffd' not in text[i:i + 2]
+    )
+    rt.restore('a')
+    gen = rt.generate(max_new_tokens=24, stop=(stop,), eos=False)
+    list(gen)
+    assert gen.result.stop_reason == 'stop_string'
+    assert gen.result.text == text[: text.find(stop)]
+
+
+def test_max_seq_len_stops_generation(make_runtime):
+    rt = make_runtime(max_seq_len=16)
+    gen = rt.generate(
+        prompt=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], max_new_tokens=50, stop=(), eos=False
+    )
+    events = list(gen)
+    assert gen.result.stop_reason == 'max_seq_len'
+    assert rt.position == 16 and len(events) == 7
+    with pytest.raises(InvalidRequestError, match='does not fit'):
+        rt.prefill([1])
+
+
+def test_bad_requests_leave_state_untouched(make_runtime):
+    rt = make_runtime(max_seq_len=32)
+    with pytest.raises(InvalidRequestError, match='nothing to continue'):
+        rt.generate()
+    rt.prefill(PROMPT[:10])
+    live = rt.state_digest()
+    for call in (
+        lambda: rt.prefill('x' * 40),
+        lambda: rt.prefill([]),
+        lambda: rt.prefill([10**6]),
+        lambda: rt.generate(temperature=-1),
+        lambda: rt.generate(top_p=0.0),
+        lambda: rt.generate(max_new_tokens=-1),
+    ):
+        with pytest.raises(InvalidRequestError):
+            call()
+    assert rt.state_digest() == live and not rt.generating
+
+
+def _run_in_thread(gen):
+    out = []
+    thread = threading.Thread(target=lambda: out.extend(gen), daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_interrupt_from_another_thread(make_runtime):
+    rt = make_runtime(max_seq_len=4096)
+    gen = rt.generate(prompt=PROMPT, max_new_tokens=3000, stop=(), eos=False)
+    thread, out = _run_in_thread(gen)
+    while len(out) < 3:
+        time.sleep(0.005)
+    rt.interrupt()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert gen.result.stop_reason == 'interrupted' and len(out) < 3000
+    assert gen.result.token_ids == [e.token_id for e in out]
+    rt.interrupt()  # no-op when nothing runs
+    assert len(greedy(rt, 2)) == 2  # the next turn is not pre-interrupted
+
+
+def test_restore_during_generation_is_busy_and_never_tears_state(make_runtime):
+    rt = make_runtime(max_seq_len=4096)
+    rt.prefill(PROMPT)
+    rt.snapshot('a')
+    reference = greedy(rt, 40)
+    rt.restore('a')
+    gen = rt.generate(max_new_tokens=40, stop=(), eos=False)
+    thread, out = _run_in_thread(gen)
+    busy = 0
+    while thread.is_alive():
+        for call in (
+            lambda: rt.restore('a'),
+            lambda: rt.rollback(1),
+            rt.reset,
+            lambda: rt.prefill('x'),
+            lambda: rt.generate(prompt='y'),
+            lambda: rt.restore('a', mode='kv_only'),
+        ):
+            try:
+                call()
+            except BusyError as exc:
+                assert 'interrupt()' in str(exc)
+                busy += 1
+        rt.fork('a', 'copy')  # never touches the live state: allowed
+    thread.join()
+    assert busy > 0
+    assert [e.token_id for e in out] == reference  # the stream was not disturbed
+
+
+def test_snapshot_during_generation_captures_a_step_boundary(make_runtime):
+    rt = make_runtime(max_seq_len=4096)
+    rt.prefill(PROMPT)
+    gen = rt.generate(max_new_tokens=30, stop=(), eos=False)
+    thread, out = _run_in_thread(gen)
+    while len(out) < 5:
+        time.sleep(0.001)
+    info = rt.snapshot('mid')
+    n_at_snapshot = info.position - len(rt.tokenize(PROMPT)) + 1  # tokens emitted by then
+    thread.join()
+    full = [e.token_id for e in out]
+    rt.restore('mid')
+    rest = greedy(rt, len(full) - n_at_snapshot)
+    assert full[:n_at_snapshot] + rest == full
+
+
+def test_close_releases_an_abandoned_generation(make_runtime):
+    rt = make_runtime()
+    gen = rt.generate(prompt=PROMPT, max_new_tokens=10, stop=(), eos=False)
+    next(gen)
+    with pytest.raises(BusyError):
+        rt.reset()
+    gen.close()
+    assert gen.result.stop_reason == 'interrupted' and not rt.generating
+    rt.reset()
+
+
+def test_warmup_leaves_state_clean(make_runtime):
+    rt = make_runtime()
+    rt.prefill(PROMPT)
+    digest = rt.state_digest()
+    rt.warmup()
+    assert rt.state_digest() == digest
+
+
+def test_stats_report_tiers_and_restore_times(make_runtime):
+    rt = make_runtime()
+    rt.prefill(PROMPT)
+    rt.snapshot('s')
+    rt.restore('s')
+    stats = rt.stats()
+    assert stats['state_nbytes'] == rt.state_nbytes > 0
+    assert stats['position'] == rt.position
+    assert set(stats['tiers']) == {'device', 'host', 'disk'}
+    assert stats['tiers']['device']['count'] == 1
+    assert stats['last_restore_s'] > 0 and stats['p99_restore_s'] >= stats['last_restore_s'] * 0
+    assert stats['rollback_ring']['count'] >= 2 and stats['rollback_ring']['bytes_used'] > 0
+    assert set(rt.components) >= {'kv', 'conv', 'recurrent', 'rng', 'meta'}
