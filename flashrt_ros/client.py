@@ -40,7 +40,7 @@ STREAM_QOS = QoSProfile(depth=100, **_RELIABLE)
 INTERRUPT_QOS = QoSProfile(depth=1000, **_RELIABLE)
 COMMAND_QOS = QoSProfile(depth=10, **_RELIABLE)
 
-FINAL_CHUNK_GRACE_S = 1.0
+FINAL_CHUNK_GRACE_S = 0.05
 TRANSITIONS = ('configure', 'cleanup', 'activate', 'deactivate', 'shutdown')
 _counter = itertools.count()
 
@@ -70,10 +70,11 @@ class GenerateOutcome:
 class GoalRun:
     """A ~/generate goal in flight: wait for its result or cancel it."""
 
-    def __init__(self, client, goal_handle, chunks, timeout):
+    def __init__(self, client, goal_handle, chunks, timeout, on_chunk):
         self._client = client
         self._goal_handle = goal_handle
         self.chunks = chunks
+        self._on_feedback_chunk = on_chunk
         self._timeout = timeout
         self._result_future = goal_handle.get_result_async() if goal_handle.accepted else None
 
@@ -94,12 +95,23 @@ class GoalRun:
                                    'running and goal_policy is reject, or the node is not active)')
         timeout = self._timeout if timeout is None else timeout
         wrapped = self._client._wait(self._result_future, timeout, 'generate result')
-        # Feedback and result travel on different channels: the last chunk may still be on
-        # its way. Give it a moment so `chunks` ends with the final one.
+        # Feedback and result travel on different channels, and rclpy drops feedback that
+        # arrives after the result: when the final chunk is missing, rebuild it from the
+        # result so `chunks` (and the feedback callback) always end with final=True.
         deadline = time.monotonic() + FINAL_CHUNK_GRACE_S
         while self.chunks and not self.chunks[-1].final and time.monotonic() < deadline:
             time.sleep(0.002)
+        if not self.chunks or not self.chunks[-1].final:
+            self._on_feedback_chunk(self._final_chunk(wrapped.result))
         return GenerateOutcome(True, wrapped.status, wrapped.result, list(self.chunks))
+
+    def _final_chunk(self, result):
+        seen = [t for c in self.chunks for t in c.token_ids]
+        text = ''.join(c.text for c in self.chunks)
+        rest = result.text[len(text):] if result.text.startswith(text) else ''
+        return TokenChunk(turn_id=self.chunks[0].turn_id if self.chunks else 0,
+                          index=len(seen), token_ids=list(result.token_ids)[len(seen):],
+                          text=rest, final=True, stop_reason=result.stop_reason)
 
 
 class FlashRTClient:
@@ -248,7 +260,12 @@ class FlashRTClient:
     def start_generate(self, prompt='', *, token_ids=(), max_new_tokens=0, temperature=0.0,
                        top_k=0, top_p=1.0, seed=-1, stop=(), start_from='', save_as='',
                        save_tier='', feedback_callback=None, timeout=None):
-        """Send a ~/generate goal and return a GoalRun once the node accepted or rejected it."""
+        """
+        Send a ~/generate goal and return a GoalRun once the node accepted or rejected it.
+
+        feedback_callback(TokenChunk) runs for every chunk; the last one has final=True
+        (rebuilt from the result when the middleware dropped it, once result() returns).
+        """
         timeout = self.timeout if timeout is None else timeout
         if not self._generate.wait_for_server(timeout_sec=timeout):
             raise TimeoutError(f'action {self.base}/generate is not available after '
@@ -259,15 +276,15 @@ class FlashRTClient:
                              start_from=start_from, save_as=save_as, save_tier=save_tier)
         chunks = []
 
-        def on_feedback(message):
-            chunk = message.feedback.chunk
+        def on_chunk(chunk):
             chunks.append(chunk)
             if feedback_callback is not None:
                 feedback_callback(chunk)
 
-        future = self._generate.send_goal_async(goal, feedback_callback=on_feedback)
+        future = self._generate.send_goal_async(
+            goal, feedback_callback=lambda message: on_chunk(message.feedback.chunk))
         goal_handle = self._wait(future, timeout, 'generate goal')
-        return GoalRun(self, goal_handle, chunks, timeout)
+        return GoalRun(self, goal_handle, chunks, timeout, on_chunk)
 
     def generate(self, prompt='', *, timeout=60.0, **kwargs):
         """Run one turn and return its GenerateOutcome (keywords as in start_generate)."""

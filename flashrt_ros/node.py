@@ -715,6 +715,8 @@ class FlashRTNode(LifecycleNode):
                                               message=f'internal error: {exc!r}',
                                               position=self._position())
             finally:
+                if not turn.result.success:
+                    self.get_logger().warning(f'generation turn failed: {turn.result.message}')
                 with self._cv:
                     self._current = None
                     self._reserved -= 1

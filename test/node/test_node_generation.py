@@ -31,10 +31,13 @@ def _start_long(client, **kwargs):
 
 
 def _set_param(client, name, value):
+    if isinstance(value, int):
+        value = ParameterValue(type=ParameterType.PARAMETER_INTEGER, integer_value=value)
+    else:
+        value = ParameterValue(type=ParameterType.PARAMETER_STRING, string_value=value)
     cli = client.node.create_client(SetParameters, f'{client.base}/set_parameters')
     try:
-        request = SetParameters.Request(parameters=[Parameter(name=name, value=ParameterValue(
-            type=ParameterType.PARAMETER_STRING, string_value=value))])
+        request = SetParameters.Request(parameters=[Parameter(name=name, value=value)])
         response = client._call(cli, request)
         assert response.results[0].successful, response.results[0].reason
     finally:
@@ -63,6 +66,18 @@ def test_generate_streams_tokens(client, at_home):
     turn = outcome.chunks[0].turn_id
     topic_ids = [t for c in streamed if c.turn_id == turn for t in c.token_ids]
     assert topic_ids == list(result.token_ids)
+
+
+def test_token_chunking(client, at_home):
+    _set_param(client, 'token_chunk', 4)
+    try:
+        outcome = client.generate('Chunks.', max_new_tokens=10)
+    finally:
+        _set_param(client, 'token_chunk', 1)
+    sizes = [len(c.token_ids) for c in outcome.chunks]
+    assert sizes == [4, 4, 2], sizes  # the final chunk carries the remainder
+    assert outcome.chunks[-1].final and [c.index for c in outcome.chunks] == [0, 4, 8]
+    assert [t for c in outcome.chunks for t in c.token_ids] == list(outcome.result.token_ids)
 
 
 def test_restore_home_gives_identical_tokens(client, at_home):

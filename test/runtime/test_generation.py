@@ -130,6 +130,7 @@ def test_restore_during_generation_is_busy_and_never_tears_state(make_runtime):
                 assert 'interrupt()' in str(exc)
                 busy += 1
         rt.fork('a', 'copy')  # never touches the live state: allowed
+        time.sleep(0.002)  # let the stream take the step lock between our calls
     thread.join()
     assert busy > 0
     assert [e.token_id for e in out] == reference  # the stream was not disturbed

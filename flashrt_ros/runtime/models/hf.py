@@ -60,7 +60,8 @@ def _cache_classes():
 
 
 def _windowed_layer_class():
-    """Build (once) a StaticLayer subclass whose attention can see a prefix of the buffer.
+    """
+    Build (once) a StaticLayer subclass whose attention can see a prefix of the buffer.
 
     A StaticLayer always hands attention its whole [B, H, max_len, D] buffer, so an eager
     step costs O(max_seq_len) — with GQA the whole buffer is even expanded per query head.
