@@ -409,7 +409,18 @@ class FlashRTNode(LifecycleNode):
         if info is not None:
             self._publish_event(operation, info.name, info.tier, info.nbytes,
                                 info.latency_s * 1e3, True, message)
+        self._publish_evictions()
         return response
+
+    def _publish_evictions(self):
+        """Report capsules the lru budget policy evicted to make room."""
+        if self._runtime is None:
+            return
+        for info in self._runtime.drain_evictions():
+            self.get_logger().info(f'evicted capsule {info.name!r} ({info.tier}, '
+                                   f'{info.nbytes} bytes) to stay within the budget')
+            self._publish_event('evict', info.name, info.tier, info.nbytes, 0.0, True,
+                                'evicted (least recently used) to stay within the budget')
 
     @contextlib.contextmanager
     def _exclusive(self):
@@ -808,6 +819,7 @@ class FlashRTNode(LifecycleNode):
             return message
         self._publish_event('snapshot', info.name, info.tier, info.nbytes, info.latency_s * 1e3,
                             True, f'save_as {info.name!r} at position {info.position}')
+        self._publish_evictions()
         return f'saved as {info.name!r} ({info.tier})'
 
     def _apply_cancel_policy(self):

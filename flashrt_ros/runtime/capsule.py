@@ -24,10 +24,16 @@ capsule files present in capsule_dir for the disk tier (the directory is the bud
 unit, also for files written by other processes). Policy "refuse" raises
 BudgetExceededError; "lru" evicts least-recently-used unpinned capsules of that tier,
 and only when that makes enough room (otherwise it refuses without evicting anything).
+Every eviction is recorded; `drain_evicted()` hands the records to whoever reports them.
+
+Names are one namespace across tiers: a name refers to one capsule, so a snapshot under
+an existing name replaces that capsule whatever its tier (like overwriting a file). To
+keep a copy in another tier, fork it under a new name.
 """
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 import hashlib
 import json
@@ -206,6 +212,7 @@ class CapsuleStore:
         self.dir = capsule_dir
         self._mem: dict[str, Capsule] = {}  # device + host tiers
         self._lock = threading.RLock()  # store bookkeeping; independent of the step lock
+        self._evicted: collections.deque[CapsuleInfo] = collections.deque(maxlen=256)
 
     # ---- accounting ------------------------------------------------------------------
 
@@ -272,7 +279,7 @@ class CapsuleStore:
             if capsule.tier == 'disk':
                 return self._write_disk(capsule)
             for victim in self._make_room(capsule.tier, capsule.nbytes, capsule.name):
-                self._delete_locked(victim)
+                self._evict(victim)
             self._delete_locked(capsule.name, missing_ok=True)
             self._mem[capsule.name] = capsule
             return capsule
@@ -311,9 +318,30 @@ class CapsuleStore:
     def delete(self, name: str) -> CapsuleInfo:
         validate_name(name)
         with self._lock:
-            info = self.peek(name).info()
+            info = self._info_for_removal(name)
             self._delete_locked(name)
             return info
+
+    def drain_evicted(self) -> list[CapsuleInfo]:
+        """Capsules evicted by the lru policy since the last call (oldest first)."""
+        with self._lock:
+            out = list(self._evicted)
+            self._evicted.clear()
+            return out
+
+    def _evict(self, name: str) -> None:
+        self._evicted.append(self._info_for_removal(name))
+        self._delete_locked(name)
+
+    def _info_for_removal(self, name: str) -> CapsuleInfo:
+        """Info of a capsule about to be removed; an unreadable disk file still gets one."""
+        try:
+            return self.peek(name).info()
+        except CorruptCapsuleError:
+            # The error for an unreadable file tells the user to delete it, so deleting
+            # must not need to parse it.
+            st = self._path(name).stat()
+            return CapsuleInfo(name, 'disk', st.st_size, 0, st.st_mtime, '', '', ())
 
     def drop_memory_tiers(self) -> None:
         """Forget every device and host capsule (used when the runtime closes)."""
@@ -395,7 +423,7 @@ class CapsuleStore:
             {'blob': blob}, metadata={'flashrt': header_json, 'checksum': capsule.checksum}
         )
         for victim in self._make_room('disk', len(data), capsule.name):
-            self._delete_locked(victim)
+            self._evict(victim)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._delete_locked(
             capsule.name, missing_ok=True

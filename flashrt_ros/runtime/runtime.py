@@ -633,6 +633,10 @@ class Runtime:
         info = self.store.delete(name)
         return CapsuleInfo(**{**info.__dict__, 'latency_s': time.perf_counter() - t0})
 
+    def drain_evictions(self) -> list[CapsuleInfo]:
+        """Capsules the lru policy evicted since the last call, for telemetry."""
+        return self.store.drain_evicted()
+
     def verify_capsule(self, name: str) -> CapsuleInfo:
         t0 = time.perf_counter()
         info = self.store.verify(name)

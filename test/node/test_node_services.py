@@ -174,8 +174,6 @@ def test_corrupt_disk_file(client, at_home, capsule_dir):
     assert client.restore(HOME).success
 
 
-@pytest.mark.xfail(reason='runtime: CapsuleStore.delete reads the header first, so a file '
-                          'that cannot be parsed cannot be deleted through the API', strict=False)
 def test_delete_unreadable_disk_file(client, capsule_dir):
     path = os.path.join(capsule_dir, 'unreadable.safetensors')
     with open(path, 'wb') as f:

@@ -129,6 +129,10 @@ def test_damaged_disk_capsule_is_refused_and_state_untouched(make_runtime, damag
     assert rt.state_digest() == live
     with pytest.raises(CorruptCapsuleError):
         rt.verify_capsule('c')
+    # The error says "delete it", so deleting must work on a file that cannot be parsed.
+    assert rt.delete_capsule('c').tier == 'disk'
+    assert not _disk_file(rt, 'c').exists()
+    assert 'c' not in {i.name for i in rt.list_capsules()}
 
 
 def test_capsule_from_another_model_is_refused(make_runtime):
@@ -190,8 +194,12 @@ def test_budget_lru_evicts_oldest_unpinned(make_runtime):
     rt.snapshot('old')
     rt.snapshot('young')
     rt.restore('old')  # 'young' is now least recently used
+    assert rt.drain_evictions() == []
     rt.snapshot('new')
     assert {c.name for c in rt.list_capsules()} == {'pinned', 'old', 'new'}
+    evicted = rt.drain_evictions()  # reported once, for telemetry
+    assert [(i.name, i.tier, i.nbytes) for i in evicted] == [('young', 'device', size)]
+    assert rt.drain_evictions() == []
     assert rt.stats()['tiers']['device']['bytes_used'] == 3 * size
     with pytest.raises(BudgetExceededError):
         make_runtime(device_budget_bytes=size // 2, eviction='lru').snapshot('too-big')
