@@ -10,7 +10,7 @@ cd "$root"
 python=${PYTHON:-python3}
 # .venv is a link to a venv outside the source tree: CMake refuses to export include
 # paths (numpy's, from the rosidl Python generator) that lie inside the source dir.
-venv_real=${FLASHRT_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/flashrt_ros/venv-$(printf %s "$root" | sha256sum | cut -c1-12)}
+venv_real=${FLASHRT_VENV:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/flashrt_ros/venv-$(printf %s "$root" | sha256sum | cut -c1-12)}
 venv="$root/.venv"
 [ -e "$venv" ] && venv_real=$(readlink -f "$venv")
 
