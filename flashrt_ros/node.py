@@ -16,6 +16,21 @@ Concurrency
     for the generation thread to reach that step boundary, then restore.
   * The generation thread never waits on the executor, so a client that calls a service from
     inside its token callback cannot deadlock the node.
+
+Policy mode (parameter `mode: policy`, a policy model such as builtin:tiny-policy)
+  * In: ~/observation (sensor_msgs/JointState, mapped through the policy's
+    observation_names) and ~/observation_vector (std_msgs/Float32MultiArray, the raw vector).
+  * stepping=observation: each observation is one control step (Runtime.act, a committed
+    boundary) and its whole chunk goes out on ~/actions (flashrt_ros/ActionChunk) and,
+    if publish_joint_trajectory, ~/joint_trajectory. stepping=timer: a control_rate timer
+    steps on the newest observation (if one arrived) and publishes ONE queued action per
+    tick, so the runtime's action queue is what the robot executes.
+  * Observation, timer, interrupt, reset and capsule callbacks share the state group, so a
+    control step never interleaves with a capsule operation. An interrupt or reset drops
+    the action queue after applying its mode, and observations received before it are
+    discarded: no action of an interrupted chunk is published after the interrupt.
+  * A bad observation (wrong size, NaN/Inf, a joint missing) is a CapsuleEvent
+    (operation 'observation', success false) and a log line; the state is untouched.
 """
 
 import collections
@@ -25,10 +40,10 @@ import sys
 import threading
 import time
 
-from builtin_interfaces.msg import Time
+from builtin_interfaces.msg import Duration, Time
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from flashrt_ros.action import Generate
-from flashrt_ros.msg import CapsuleEvent, CapsuleInfo, Interrupt, TokenChunk
+from flashrt_ros.msg import ActionChunk, CapsuleEvent, CapsuleInfo, Interrupt, TokenChunk
 from flashrt_ros.runtime import BusyError, FlashRTError, Runtime, RuntimeConfig
 from flashrt_ros.srv import DeleteCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
@@ -40,14 +55,19 @@ from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
 from rclpy.signals import SignalHandlerOptions
-from std_msgs.msg import Empty, String
+from sensor_msgs.msg import JointState
+from std_msgs.msg import Empty, Float32MultiArray, String
 from std_srvs.srv import Trigger
+from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 NODE_NAME = 'flashrt'
 BUSY_MESSAGE = 'a generation is running; cancel it or publish ~/interrupt'
 INTERRUPT_POLICIES = ('stop', 'rollback', 'restore_home')
 GOAL_POLICIES = ('reject', 'queue')
 CHOICES = {
+    'mode': ('lm', 'policy'),
+    'stepping': ('observation', 'timer'),
+    'trajectory_field': ('positions', 'velocities', 'accelerations', 'effort'),
     'dtype': ('float32', 'bfloat16', 'float16'),
     'eviction': ('refuse', 'lru'),
     'interrupt_policy': INTERRUPT_POLICIES,
@@ -77,6 +97,14 @@ COMMAND_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=10,
                          durability=DurabilityPolicy.VOLATILE)
 # - /diagnostics: the system default (reliable, depth 10), what diagnostic_aggregator expects.
 DIAGNOSTICS_QOS = 10
+# - ~/observation*: BEST_EFFORT matches sensor publishers of either reliability; depth 1
+#   because a control step should act on the newest observation, never on a backlog.
+OBSERVATION_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1,
+                             reliability=ReliabilityPolicy.BEST_EFFORT,
+                             durability=DurabilityPolicy.VOLATILE)
+# - ~/actions and ~/joint_trajectory: RELIABLE, a short queue: a controller needs every
+#   chunk in order, and a stalled one should not pile up stale actions.
+ACTIONS_QOS = COMMAND_QOS
 
 
 def _descriptor(description, *, read_only=False, integer=None, floating=None, ptype=None,
@@ -140,6 +168,10 @@ class FlashRTNode(LifecycleNode):
         self._worker_stop = False
         self._turns_by_goal = {}
         self._turn_id = 0
+        # Policy mode, touched only from the state group.
+        self._latest_observation = None     # newest valid observation (timer stepping)
+        self._interrupted_at = 0.0          # receipt time of the last interrupt/reset
+        self._control_timer = None
 
         self._state_group = MutuallyExclusiveCallbackGroup()
         self._query_group = ReentrantCallbackGroup()
@@ -148,6 +180,12 @@ class FlashRTNode(LifecycleNode):
         # Lifecycle publishers only publish while the node is active.
         self._tokens_pub = self.create_lifecycle_publisher(TokenChunk, '~/tokens', STREAM_QOS)
         self._events_pub = self.create_lifecycle_publisher(CapsuleEvent, '~/events', STREAM_QOS)
+        self._actions_pub = self.create_lifecycle_publisher(ActionChunk, '~/actions',
+                                                            ACTIONS_QOS)
+        self._trajectory_pub = None
+        if self.get_parameter('publish_joint_trajectory').value:
+            self._trajectory_pub = self.create_lifecycle_publisher(
+                JointTrajectory, '~/joint_trajectory', ACTIONS_QOS)
         # Diagnostics report in every state (also why the node is not active).
         self._diag_pub = self.create_publisher(DiagnosticArray, '/diagnostics', DIAGNOSTICS_QOS)
 
@@ -176,6 +214,10 @@ class FlashRTNode(LifecycleNode):
                                  INTERRUPT_QOS, callback_group=state)
         self.create_subscription(Empty, '~/reset', self._reset_callback, COMMAND_QOS,
                                  callback_group=state)
+        self.create_subscription(JointState, '~/observation', self._joint_state_callback,
+                                 OBSERVATION_QOS, callback_group=state)
+        self.create_subscription(Float32MultiArray, '~/observation_vector',
+                                 self._vector_callback, OBSERVATION_QOS, callback_group=state)
         period = self.get_parameter('diagnostics_period').value
         self.create_timer(period, self._diagnostics_callback, callback_group=query)
 
@@ -187,6 +229,10 @@ class FlashRTNode(LifecycleNode):
         params = [
             ('autostart', True, _descriptor(
                 'Walk through configure and activate at startup, so a plain `ros2 run` serves.')),
+            ('mode', 'lm', _descriptor(
+                'lm: a language model (~/generate, ~/prompt); policy: a robot policy '
+                '(~/observation -> ~/actions). Must match the model.' + rebuild,
+                constraints='lm | policy')),
             ('model', 'builtin:tiny-hybrid', _descriptor(
                 'Model: builtin:<id> (random weights, no download) or a local checkpoint '
                 'directory (save_pretrained folder with its tokenizer).' + rebuild)),
@@ -242,6 +288,20 @@ class FlashRTNode(LifecycleNode):
             ('interrupt_timeout', 5.0, _descriptor(
                 'Seconds ~/interrupt, ~/reset and deactivate wait for the generation to reach '
                 'a step boundary.', floating=(0.01, 600.0))),
+            ('stepping', 'observation', _descriptor(
+                'Policy mode. observation: one control step per observation message, whole '
+                'chunk published; timer: control_rate timer steps on the newest observation '
+                'and publishes one queued action per tick.' + rebuild,
+                constraints='observation | timer')),
+            ('control_rate', 10.0, _descriptor(
+                'Policy mode: control steps per second of the timer, and the spacing of '
+                'JointTrajectory points.' + rebuild, floating=(0.1, 1000.0))),
+            ('publish_joint_trajectory', False, _descriptor(
+                'Policy mode: also publish actions as trajectory_msgs/JointTrajectory on '
+                '~/joint_trajectory (read at startup).')),
+            ('trajectory_field', 'positions', _descriptor(
+                'JointTrajectoryPoint field the actions fill.',
+                constraints='positions | velocities | accelerations | effort')),
             ('diagnostics_period', 1.0, _descriptor(
                 'Seconds between /diagnostics messages (read at startup).',
                 floating=(0.05, 3600.0))),
@@ -282,15 +342,26 @@ class FlashRTNode(LifecycleNode):
             values = {name: self._param(name) for name in RUNTIME_PARAMS}
             t0 = time.perf_counter()
             self._runtime = Runtime(RuntimeConfig.from_dict(values))
+            policy = self._param('mode') == 'policy'
+            if self._runtime.is_policy != policy:
+                kind = 'a robot policy' if self._runtime.is_policy else 'a language model'
+                raise FlashRTError(f'model {values["model"]!r} is {kind}; set mode to '
+                                   f'{"policy" if self._runtime.is_policy else "lm"}')
         except Exception as exc:  # FlashRTError, or an import/OS error loading the model
             self.get_logger().error(f'configure failed: {exc}; fix the parameters and configure '
                                     'again (lifecycle ~/change_state)')
+            if self._runtime is not None:
+                self._runtime.close()
             self._runtime = None
             return TransitionCallbackReturn.FAILURE
         rt = self._runtime
         self.get_logger().info(
             f'configured {values["model"]} on {values["device"]} ({values["dtype"]}): state '
             f'{rt.state_nbytes} bytes {list(rt.components)} in {time.perf_counter() - t0:.1f} s')
+        if rt.is_policy and self._param('stepping') == 'timer':
+            self._control_timer = self.create_timer(1.0 / self._param('control_rate'),
+                                                    self._control_tick,
+                                                    callback_group=self._state_group)
         self._start_worker()
         return super().on_configure(state)
 
@@ -304,7 +375,7 @@ class FlashRTNode(LifecycleNode):
             if not self._home_ready:
                 rt.reset()
                 prompt = self._param('system_prompt')
-                if prompt:
+                if prompt and not rt.is_policy:
                     rt.prefill(prompt)
                 info = rt.snapshot(home, 'device', pinned=True)
                 self._home_ready = True
@@ -356,6 +427,10 @@ class FlashRTNode(LifecycleNode):
 
     def _release_runtime(self):
         self._stop_worker()
+        if self._control_timer is not None:
+            self.destroy_timer(self._control_timer)
+            self._control_timer = None
+        self._latest_observation = None
         if self._runtime is not None:
             try:
                 self._runtime.close()
@@ -605,6 +680,9 @@ class FlashRTNode(LifecycleNode):
         with self._cv:
             if not self._active:
                 return self._not_active_message()
+            if self._runtime is not None and self._runtime.is_policy:
+                return (f'{source} rejected: the node runs a robot policy (mode policy); '
+                        'publish observations on ~/observation instead')
             if self._reserved > 0 and self._param('goal_policy') == 'reject':
                 return (f'{source} rejected: a generation is already running or queued and '
                         'goal_policy is reject; cancel it, wait, or set goal_policy to queue')

@@ -32,8 +32,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed_s(fn, repeats: int, device: torch.device) -> tuple[float, float]:
-    """Return (best, median) seconds; noise on a shared machine only ever adds time."""
+def sample_s(fn, repeats: int, device: torch.device) -> list[float]:
+    """Wall seconds of each of `repeats` calls of fn(), synchronized with the device."""
     times = []
     for _ in range(repeats):
         _sync(device)
@@ -41,14 +41,23 @@ def _timed_s(fn, repeats: int, device: torch.device) -> tuple[float, float]:
         fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
+    return times
+
+
+def _timed_s(fn, repeats: int, device: torch.device) -> tuple[float, float]:
+    """Return (best, median) seconds; noise on a shared machine only ever adds time."""
+    times = sample_s(fn, repeats, device)
     return min(times), statistics.median(times)
 
 
-def _ids(rt: Runtime, n: int, seed: int = 0) -> list[int]:
+def token_ids(n: int, seed: int = 0) -> list[int]:
+    """Return n seeded pseudo-random token ids in the byte range (valid for every vocab here)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(
-        0, 256, (n,), generator=g
-    ).tolist()  # byte range: valid for every vocab here
+    return torch.randint(0, 256, (n,), generator=g).tolist()
+
+
+def _ids(rt: Runtime, n: int, seed: int = 0) -> list[int]:
+    return token_ids(n, seed)
 
 
 def restore_vs_copy(rt: Runtime, prefix_tokens: int, repeats: int = 30) -> dict:
@@ -68,6 +77,62 @@ def restore_vs_copy(rt: Runtime, prefix_tokens: int, repeats: int = 30) -> dict:
             'copy_median_s': copy_med}
 
 
+def arena_decode_tps(rt: Runtime, ids: list[int], steps: int) -> float:
+    """Greedy decode tokens/s of the arena-bound engine through Runtime.generate."""
+    rt.reset()
+    gen = rt.generate(prompt=ids, max_new_tokens=steps + 1, stop=(), eos=False)
+    for _ in gen:
+        pass
+    rt.reset()
+    return gen.result.tokens_per_s
+
+
+@torch.no_grad()
+def dynamic_cache_decode_tps(model, ids: list[int], steps: int, device: torch.device) -> float:
+    """Greedy decode tokens/s of the same model in a plain loop over a DynamicCache."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    x = torch.tensor([ids], device=device)  # [1, T]
+    tok = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1).logits[
+        :, -1
+    ].argmax(-1, keepdim=True)  # [1, 1]
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        logits = model(input_ids=tok, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        tok = logits.argmax(-1, keepdim=True)  # [1, 1]
+        int(tok)  # the runtime also brings every token to the host (streaming)
+    _sync(device)
+    return steps / (time.perf_counter() - t0)
+
+
+@torch.no_grad()
+def hf_generate_decode_tps(model, ids: list[int], steps: int, device: torch.device) -> float:
+    """Greedy decode tokens/s of transformers' model.generate() with a DynamicCache."""
+    from transformers import DynamicCache
+    from transformers.generation.streamers import BaseStreamer
+
+    class Stamps(BaseStreamer):
+        def __init__(self):
+            self.times = []
+
+        def put(self, value):
+            self.times.append(time.perf_counter())  # first put() is the prompt
+
+        def end(self):
+            pass
+
+    stamps = Stamps()
+    x = torch.tensor([ids], device=device)  # [1, T]
+    model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
+                   max_new_tokens=steps + 1, min_new_tokens=steps + 1,
+                   past_key_values=DynamicCache(config=model.config), streamer=stamps,
+                   pad_token_id=model.config.pad_token_id)
+    tokens = stamps.times[1:]  # one stamp per generated token, the first after prefill
+    return (len(tokens) - 1) / (tokens[-1] - tokens[0])
+
+
 def decode_vs_dynamic_cache(
     rt: Runtime, prompt_tokens: int = 64, steps: int = 48, rounds: int = 3
 ) -> dict:
@@ -77,44 +142,13 @@ def decode_vs_dynamic_cache(
     The two run alternately `rounds` times and the best round of each counts, so a noisy
     neighbour on a small machine does not decide the ratio.
     """
-    from transformers import DynamicCache
-
     ids = _ids(rt, prompt_tokens, seed=1)
-    model = rt.adapter.model
     rt.reset()
     rt.warmup()
-
-    def arena_tps() -> float:
-        rt.reset()
-        gen = rt.generate(prompt=ids, max_new_tokens=steps + 1, stop=(), eos=False)
-        for _ in gen:
-            pass
-        return gen.result.tokens_per_s
-
-    @torch.no_grad()
-    def dynamic_tps() -> float:
-        cache = DynamicCache(config=model.config)
-        x = torch.tensor([ids], device=rt.device)
-        tok = (
-            model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
-            .logits[:, -1]
-            .argmax(-1, keepdim=True)
-        )
-        _sync(rt.device)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            logits = model(input_ids=tok, cache=cache, use_cache=True, logits_to_keep=1).logits[
-                :, -1
-            ]
-            tok = logits.argmax(-1, keepdim=True)  # [1, 1]
-            int(tok)  # the runtime also brings every token to the host (streaming)
-        _sync(rt.device)
-        return steps / (time.perf_counter() - t0)
-
     arena, dynamic = [], []
     for _ in range(rounds):
-        arena.append(arena_tps())
-        dynamic.append(dynamic_tps())
+        arena.append(arena_decode_tps(rt, ids, steps))
+        dynamic.append(dynamic_cache_decode_tps(rt.adapter.model, ids, steps, rt.device))
     rt.reset()
     return {
         'arena_tokens_per_s': max(arena),
@@ -124,31 +158,35 @@ def decode_vs_dynamic_cache(
     }
 
 
+def first_token_s(rt: Runtime, prompt: list[int]) -> tuple[float, int]:
+    """Seconds to consume `prompt` and sample one greedy token; returns (seconds, token)."""
+    _sync(rt.device)
+    t0 = time.perf_counter()
+    gen = rt.generate(prompt=prompt, max_new_tokens=1, stop=(), eos=False)
+    token = next(gen).token_id
+    _sync(rt.device)
+    return time.perf_counter() - t0, token
+
+
+def restored_first_token_s(rt: Runtime, name: str, new: list[int]) -> tuple[float, int]:
+    """Seconds to restore capsule `name`, consume `new` and sample; returns (seconds, token)."""
+    _sync(rt.device)
+    t0 = time.perf_counter()
+    rt.restore(name)
+    _, token = first_token_s(rt, new)
+    return time.perf_counter() - t0, token
+
+
 def ttft_restore_vs_prefill(rt: Runtime, prefix_tokens: int) -> dict:
     """Time restore(L-token prefix) + 1 new token + sample vs cold prefill of L+1 + sample."""
     prefix, new = _ids(rt, prefix_tokens, seed=2), _ids(rt, 1, seed=3)
-
-    def first_token(prompt) -> int:
-        gen = rt.generate(prompt=prompt, max_new_tokens=1, stop=(), eos=False)
-        return next(gen).token_id
-
     rt.reset()
     rt.prefill(prefix)
     rt.snapshot('measure-ttft', tier='device')
     rt.reset()
-    _sync(rt.device)
-    t0 = time.perf_counter()
-    cold_token = first_token(prefix + new)
-    _sync(rt.device)
-    cold_s = time.perf_counter() - t0
-
+    cold_s, cold_token = first_token_s(rt, prefix + new)
     rt.reset()
-    _sync(rt.device)
-    t0 = time.perf_counter()
-    rt.restore('measure-ttft')
-    warm_token = first_token(new)
-    _sync(rt.device)
-    warm_s = time.perf_counter() - t0
+    warm_s, warm_token = restored_first_token_s(rt, 'measure-ttft', new)
     rt.delete_capsule('measure-ttft')
     rt.reset()
     return {
@@ -158,6 +196,54 @@ def ttft_restore_vs_prefill(rt: Runtime, prefix_tokens: int) -> dict:
         'speedup': cold_s / warm_s,
         'same_token': cold_token == warm_token,
     }
+
+
+def copy_s(nbytes: int, src: str, dst: str, repeats: int) -> list[float]:
+    """Seconds of `dst_buffer.copy_(src_buffer)` for nbytes between two devices (raw copy)."""
+    pin = 'cuda' in (torch.device(src).type, torch.device(dst).type)
+    a = torch.empty(nbytes, dtype=torch.uint8, device=src,
+                    pin_memory=pin and torch.device(src).type == 'cpu').random_(0, 255)
+    b = torch.empty(nbytes, dtype=torch.uint8, device=dst,
+                    pin_memory=pin and torch.device(dst).type == 'cpu')
+    b.copy_(a)  # warm (page faults, first-touch)
+    device = torch.device(dst if torch.device(dst).type == 'cuda' else src)
+    return sample_s(lambda: b.copy_(a), repeats, device)
+
+
+def prefill_layer_times(rt: Runtime, ids: list[int]) -> dict:
+    """
+    Prefill `ids` from an empty state and time every decoder layer (forward hooks).
+
+    Returns the total seconds, the seconds spent in each layer and each layer's type (from
+    the model config's layer_types, 'unknown' when it has none). The state is reset after.
+    """
+    layers = rt.adapter.model.get_decoder().layers
+    types = list(getattr(rt.adapter.config, 'layer_types', None) or ['unknown'] * len(layers))
+    spent, started = [0.0] * len(layers), [0.0] * len(layers)
+
+    def before(i):
+        def hook(module, args):
+            _sync(rt.device)
+            started[i] = time.perf_counter()
+        return hook
+
+    def after(i):
+        def hook(module, args, output):
+            _sync(rt.device)
+            spent[i] += time.perf_counter() - started[i]
+        return hook
+
+    handles = [h for i, layer in enumerate(layers)
+               for h in (layer.register_forward_pre_hook(before(i)),
+                         layer.register_forward_hook(after(i)))]
+    try:
+        rt.reset()
+        total = sample_s(lambda: rt.prefill(ids), 1, rt.device)[0]
+    finally:
+        for h in handles:
+            h.remove()
+        rt.reset()
+    return {'total_s': total, 'layer_s': spent, 'layer_types': types}
 
 
 def main(argv=None) -> None:

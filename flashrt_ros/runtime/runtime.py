@@ -22,6 +22,12 @@ immutable), so deleting it frees its memory only once it has left the ring.
 Concurrency: one writer. Every state access holds `_lock` (the step lock); a generation
 claims the writer slot from generate() until it finishes, and state-changing calls made
 meanwhile raise BusyError instead of waiting for an unbounded stream to end.
+
+Policy mode (a robot policy model, models/policy.py): act(observation) replaces prefill and
+generate. position counts observations; every act() is a committed boundary; the action
+chunk and its queue of not-yet-executed actions are arena state (kind "actions"), taken
+with next_action(); interrupt() drops the queue. Snapshot/restore/fork/rollback/kv_only
+are the same code for both modes.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import torch
 from .arena import StateArena, StateSpec
 from .capsule import Capsule, CapsuleInfo, CapsuleStore, move_blob, validate_name, validate_tier
 from .config import RuntimeConfig
-from .engine import Engine
+from .engine import Engine, PolicyEngine
 from .errors import (
     BusyError,
     ConfigError,
@@ -49,7 +55,9 @@ from .errors import (
     InvalidNameError,
     InvalidRequestError,
 )
+from .models.base import PolicyAdapter, PolicySpec, StateAdapter
 from .models.hf import load_adapter
+from .models.policy import is_policy_model, load_policy
 
 _DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 KV_ONLY_SKIPS = frozenset(
@@ -64,6 +72,14 @@ class TokenEvent:
     index: int
     token_id: int
     text: str  # decoded piece (may be "" while a multi-byte character is incomplete)
+
+
+@dataclass(frozen=True, eq=False)
+class ActionChunk:
+    step: int  # observations consumed into the state (the committed boundary it ends at)
+    actions: torch.Tensor  # [horizon, action_dim] float32 on the host; a copy
+    names: tuple[str, ...]  # joint / axis name of each action dimension (may be empty)
+    latency_s: float  # wall time of the control step
 
 
 @dataclass(frozen=True)
@@ -122,7 +138,14 @@ class Generation:
 class Runtime:
     """Model + state arena + capsule store + engine behind one thread-safe facade."""
 
-    def __init__(self, config: RuntimeConfig | dict | None = None):
+    def __init__(self, config: RuntimeConfig | dict | None = None,
+                 adapter: StateAdapter | None = None):
+        """
+        Load the model (or take `adapter`, e.g. your own policy module) and allocate the arena.
+
+        A policy model (builtin:tiny-policy or a directory with policy.json) puts the
+        runtime in policy mode: act() instead of prefill()/generate().
+        """
         if config is None:
             config = RuntimeConfig()
         elif isinstance(config, dict):
@@ -140,17 +163,28 @@ class Runtime:
         self._active: Generation | None = None
         self._closed = False
 
-        self.adapter = load_adapter(config.model, self.device, self.dtype, config.max_seq_len)
-        self.tokenizer = self.adapter.tokenizer
+        if adapter is None:
+            load = load_policy if is_policy_model(config.model) else load_adapter
+            adapter = load(config.model, self.device, self.dtype, config.max_seq_len)
+        self.adapter = adapter
+        self.is_policy = isinstance(adapter, PolicyAdapter)
+        self.tokenizer = getattr(adapter, 'tokenizer', None)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
-        specs = self.adapter.state_specs() + [
-            StateSpec('logits', 'logits', (self.adapter.vocab_size,), torch.float32),
-            StateSpec('tokens', 'tokens', (config.max_seq_len,), torch.int32, seq_dim=0),
-        ]
+        if self.is_policy:
+            specs = self.adapter.state_specs() + PolicyEngine.state_specs(adapter.spec)
+        else:
+            specs = self.adapter.state_specs() + [
+                StateSpec('logits', 'logits', (self.adapter.vocab_size,), torch.float32),
+                StateSpec('tokens', 'tokens', (config.max_seq_len,), torch.int32, seq_dim=0),
+            ]
         self.arena = StateArena(specs, self.device)
         self.adapter.bind(self.arena.views)
-        self.engine = Engine(self.adapter, self.arena.views['logits'], config.cuda_graphs)
+        if self.is_policy:
+            self.engine = PolicyEngine(self.adapter, self.arena.views)
+        else:
+            self.engine = Engine(self.adapter, self.arena.views['logits'], config.cuda_graphs)
+        self._last_step_s = 0.0
         self.fingerprint = hashlib.sha256(
             (self.adapter.fingerprint() + self.arena.layout_fingerprint).encode()
         ).hexdigest()
@@ -190,9 +224,11 @@ class Runtime:
         return list(self._components)
 
     def tokenize(self, text: str) -> list[int]:
+        self._require_mode(policy=False)
         return self.tokenizer.encode(text)
 
     def detokenize(self, ids: Sequence[int]) -> str:
+        self._require_mode(policy=False)
         return self.tokenizer.decode(list(ids))
 
     # ---- internal state helpers (call with _lock held) --------------------------------
@@ -205,6 +241,15 @@ class Runtime:
         self._check_open()
         if self._active is not None:
             raise BusyError(BUSY_MESSAGE)
+
+    def _require_mode(self, policy: bool) -> None:
+        if self.is_policy != policy:
+            raise InvalidRequestError(
+                f'model {self.config.model!r} is a robot policy: call act(observation), not '
+                'prefill/generate/tokenize' if self.is_policy else
+                f'model {self.config.model!r} is a language model: act() and the action '
+                'queue need a policy model (e.g. builtin:tiny-policy)'
+            )
 
     def _meta(self) -> dict:
         return {
@@ -298,6 +343,7 @@ class Runtime:
             self._ring.append(self._capture(f'@boundary-{self.position}', 'device', whole=False))
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        self._require_mode(policy=False)
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         else:
@@ -348,9 +394,14 @@ class Runtime:
             try:
                 self.arena.zero_()
                 self.adapter.reset_meta()
-                self.engine.prefill([0], 0)
-                self.engine.decode(0, 1)
-                if self.config.cuda_graphs and self.device.type == 'cuda':
+                if self.is_policy:  # a throwaway RNG: warm-up must not move the live one
+                    scratch = torch.Generator(device=self.device)
+                    self.engine.step(torch.zeros(2, self.adapter.spec.obs_dim), 0, scratch)
+                    self.engine.step(torch.zeros(1, self.adapter.spec.obs_dim), 2, scratch)
+                else:
+                    self.engine.prefill([0], 0)
+                    self.engine.decode(0, 1)
+                if self.config.cuda_graphs and self.device.type == 'cuda' and not self.is_policy:
                     self.arena.zero_()
                     self.engine.capture()
             finally:
@@ -424,6 +475,7 @@ class Runtime:
             tuple(s for s in stop if s),
             bool(eos),
         )
+        self._require_mode(policy=False)
         with self._lock:
             self._check_idle()
             ids = None if prompt is None else self._prompt_ids(prompt)
@@ -437,7 +489,13 @@ class Runtime:
             return gen
 
     def interrupt(self) -> None:
-        """Make the running generation stop before its next step (no-op when none runs)."""
+        """
+        Make the running generation stop before its next step (no-op when none runs).
+
+        Policy mode: drop the pending action queue (waits for a running act() to finish).
+        """
+        if self.is_policy and not self._closed:
+            self.drop_actions()
         if self._active is not None:
             self._interrupt.set()
 
@@ -524,6 +582,59 @@ class Runtime:
             if gen.started and self._active is gen and not self._closed:
                 self._commit()  # end of turn is a committed boundary
             self._release(gen)
+
+    # ---- policy mode: observation in, action chunk out ---------------------------------
+
+    @property
+    def policy_spec(self) -> PolicySpec | None:
+        """obs_dim, action_dim, horizon and names of a policy model (None for an LM)."""
+        return self.adapter.spec if self.is_policy else None
+
+    def act(self, observation) -> ActionChunk:
+        """
+        Fold one observation [obs_dim] (or a history [T, obs_dim]) into the state.
+
+        The new action chunk replaces the pending queue; the state after it is a committed
+        boundary. A wrong shape, NaN or Inf raises InvalidRequestError before the state is
+        touched; so does a full episode (position == max_seq_len: reset or restore first).
+        """
+        self._require_mode(policy=True)
+        observations = self.engine.check(observation)  # [T, obs_dim] float32, host
+        t0 = time.perf_counter()
+        with self._lock:
+            self._check_idle()
+            if self.position + len(observations) > self.config.max_seq_len:
+                raise InvalidRequestError(
+                    f'episode is full: position {self.position} + {len(observations)} '
+                    f'observations > max_seq_len {self.config.max_seq_len}; reset() or '
+                    'restore a capsule first, or raise max_seq_len')
+            actions = self.engine.step(observations, self.position, self.generator)
+            self.position += len(observations)
+            self._commit()
+            self._last_step_s = time.perf_counter() - t0
+            return ActionChunk(self.position, actions, self.adapter.spec.joint_names,
+                               self._last_step_s)
+
+    def next_action(self) -> torch.Tensor | None:
+        """Take the next not-yet-executed action [action_dim] of the chunk (None: empty)."""
+        self._require_mode(policy=True)
+        with self._lock:
+            self._check_idle()
+            return self.engine.pop()
+
+    def pending_actions(self) -> torch.Tensor:
+        """Return a copy of the queue of not-yet-executed actions [n, action_dim]."""
+        self._require_mode(policy=True)
+        with self._lock:
+            self._check_open()
+            return self.engine.queued()
+
+    def drop_actions(self) -> int:
+        """Empty the action queue (what interrupt() does); return how many were dropped."""
+        self._require_mode(policy=True)
+        with self._lock:
+            self._check_open()
+            return self.engine.drop()
 
     # ---- capsules ---------------------------------------------------------------------
 
@@ -665,7 +776,7 @@ class Runtime:
             for t in ('device', 'host', 'disk')
         }
         ring = list(self._ring) if self.config.rollback_depth > 0 else []
-        return {
+        stats = {
             'model': self.config.model,
             'family': self.adapter.family if not self._closed else '',
             'device': str(self.device),
@@ -684,3 +795,6 @@ class Runtime:
             'cuda_graph': bool(not self._closed and self.engine.graph is not None),
             'cuda_graph_note': None if self._closed else self.engine.graph_error,
         }
+        if self.is_policy:
+            stats['control_step_s'] = self._last_step_s
+        return stats

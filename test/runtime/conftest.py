@@ -25,11 +25,11 @@ def make_runtime(tmp_path):
     """Build Runtimes sharing one temporary capsule dir; all closed at teardown."""
     made = []
 
-    def make(model='builtin:tiny-hybrid', **overrides):
+    def make(model='builtin:tiny-hybrid', adapter=None, **overrides):
         values = {'model': model, 'device': 'cpu', 'dtype': 'float32', 'max_seq_len': 128,
                   'capsule_dir': str(tmp_path / 'capsules'), 'rollback_depth': 4}
         values.update(overrides)
-        rt = Runtime(RuntimeConfig(**values))
+        rt = Runtime(RuntimeConfig(**values), adapter=adapter)
         made.append(rt)
         return rt
 

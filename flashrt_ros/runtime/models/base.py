@@ -8,7 +8,7 @@ The contract, in the order the runtime uses it:
                        its kind, shape, dtype and (for KV) the sequence axis.
 2. `bind(views)`    – point the model's state at the arena views it was handed. After
                        this the adapter must never allocate or reassign state tensors.
-3. run steps        – language models: `forward(ids)`; policies: `act(observation)`.
+3. run steps        – language models: `forward(ids)`; policies: `act(observations)`.
 4. `export_meta()` / `import_meta()` / `reset_meta()` – the state that is NOT in tensors
                        but decides what the next step computes (flags, integer counters).
                        It travels inside every capsule as JSON.
@@ -19,6 +19,7 @@ The contract, in the order the runtime uses it:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -87,17 +88,36 @@ class CausalLMAdapter(StateAdapter):
         return True
 
 
+@dataclass(frozen=True)
+class PolicySpec:
+    """What a policy consumes and produces; the node maps ROS messages with it."""
+
+    obs_dim: int
+    action_dim: int
+    horizon: int  # actions per chunk
+    joint_names: tuple[str, ...] = ()  # name of each action dimension (may be empty)
+    # name of each observation dimension, '<joint>/position|velocity|effort' for values a
+    # sensor_msgs/JointState carries (may be empty: then only plain vectors are accepted)
+    observation_names: tuple[str, ...] = ()
+
+
 class PolicyAdapter(StateAdapter):
     """
-    A robot policy: observation in, action chunk out, recurrent/KV state bound to the arena.
+    A robot policy: observations in, an action chunk out, its state bound to the arena.
 
-    Same state contract as a language model, so capsules, rollback and CUDA-graph capture
-    work unchanged; the runtime drives `act` instead of `forward`. (Implemented later.)
+    Same state contract as a language model, so capsules, rollback and the KV-only ablation
+    work unchanged; the runtime drives `act` instead of `forward`. models/policy.py has the
+    implementation (and the extension point for a user's own torch module).
     """
 
-    action_dim: int
-    chunk_size: int
+    spec: PolicySpec
 
     @abstractmethod
-    def act(self, observation: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Fold one observation into the bound state; return actions [chunk_size, action_dim]."""
+    def act(self, observations: torch.Tensor, position: int,
+            generator: torch.Generator) -> torch.Tensor:
+        """
+        Fold observations [T, obs_dim] into the bound state; return actions [horizon, A].
+
+        position is the number of observations already in the state; the chunk belongs to
+        the last observation. generator is the runtime's RNG (part of every capsule).
+        """

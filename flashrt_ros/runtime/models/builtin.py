@@ -67,6 +67,28 @@ BUILTINS: dict[str, BuiltinSpec] = {
 }
 
 
+# Robot policies (models/policy.py): a policy.json in dict form. The backbone is a
+# Qwen3-Next-style hybrid fed observation embeddings: conv + recurrent + attention KV state.
+POLICY_BUILTINS: dict[str, dict[str, Any]] = {
+    # A 2-link arm: joint positions and velocities in, 8-step chunks of joint torques out.
+    'tiny-policy': {
+        'obs_dim': 4, 'action_dim': 2, 'horizon': 8,
+        'joint_names': ['shoulder', 'elbow'],
+        'observation_names': ['shoulder/position', 'elbow/position',
+                              'shoulder/velocity', 'elbow/velocity'],
+        'action_scale': 2.0, 'action_noise_std': 0.05,
+        'backbone': {
+            'model_type': 'qwen3_next', 'vocab_size': 1, 'initializer_range': INIT_STD,
+            'hidden_size': 64, 'intermediate_size': 128, 'num_hidden_layers': 4,
+            'head_dim': 16, 'num_attention_heads': 4, 'num_key_value_heads': 2,
+            'max_position_embeddings': 65536, 'layer_types': [_LIN, _LIN, _LIN, _FULL],
+            'mlp_only_layers': [0, 1, 2, 3], 'linear_num_key_heads': 2,
+            'linear_num_value_heads': 4, 'linear_key_head_dim': 16,
+            'linear_value_head_dim': 16, 'linear_conv_kernel_dim': 4},
+    },
+}
+
+
 def build_builtin(name: str, dtype: torch.dtype):
     """Instantiate built-in model `name` with deterministic random weights."""
     import transformers
@@ -74,7 +96,7 @@ def build_builtin(name: str, dtype: torch.dtype):
     if name not in BUILTINS:
         raise ConfigError(
             f'unknown built-in model {name!r}; choose one of '
-            + ', '.join(f'builtin:{n}' for n in BUILTINS)
+            + ', '.join(f'builtin:{n}' for n in [*BUILTINS, *POLICY_BUILTINS])
         )
     spec = BUILTINS[name]
     config = getattr(transformers, spec.config_class)(

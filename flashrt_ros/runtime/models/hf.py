@@ -14,6 +14,9 @@ and add_, linear-attention layers with copy_.
 Non-tensor state the layers keep in Python and that must travel with a capsule:
 `has_previous_state` per linear-attention state (False means "next call is a prefill":
 dropping it makes decode diverge) and `cumulative_length_int` of sliding-window layers.
+
+All of that lives in `CacheBinding`, which the robot-policy adapter (models/policy.py)
+reuses for a backbone fed `inputs_embeds`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -95,31 +98,29 @@ def _windowed_layer_class():
 _WINDOWED = None
 
 
-class HFCausalLMAdapter(CausalLMAdapter):
-    """A transformers causal LM running over a StaticCache bound to arena views."""
+class CacheBinding:
+    """
+    A transformers StaticCache whose every state tensor is a view into the arena.
 
-    def __init__(self, model, tokenizer, max_seq_len: int, model_id: str):
-        self.model = model.eval()
-        for p in self.model.parameters():
-            p.requires_grad_(False)
-        self.model_id = model_id
-        self.tokenizer = tokenizer
-        self.config = model.config.get_text_config(decoder=True)
-        self.family = str(getattr(self.config, 'model_type', 'unknown'))
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        self.max_seq_len = max_seq_len
-        first = next(self.model.parameters())
-        self.device, self.dtype = first.device, first.dtype
+    Shared by the causal-LM adapter below and the policy adapter (models/policy.py): both
+    run a transformers backbone over this cache and delegate the state contract to it.
+    `probe(cache)` must run one short forward of the model over `cache`; it is called once,
+    on a throwaway cache, to learn each state tensor's shape and dtype.
+    """
+
+    def __init__(self, config, max_len: int, family: str, probe: Callable[[Any], None]):
         cu = _cache_classes()
+        self.family = family
+        self.max_len = max_len
         # The real cache: layers are created now, their tensors only when bind() hands views in.
-        self.cache = cu.StaticCache(config=self.model.config, max_cache_len=max_seq_len)
+        self.cache = cu.StaticCache(config=config, max_cache_len=max_len)
         self._check_layers()
-        self._windowed = []
+        self.windowed = []
         for layer in self.cache.layers:
             if type(layer) is cu.StaticLayer:  # plain full attention (not sliding, not hybrid)
                 layer.__class__ = _windowed_layer_class()
-                self._windowed.append(layer)
-        self._specs = self._probe_specs()
+                self.windowed.append(layer)
+        self.specs = self._probe_specs(config, probe)
 
     # ---- discovery -------------------------------------------------------------------
 
@@ -139,14 +140,13 @@ class HFCausalLMAdapter(CausalLMAdapter):
         return any(isinstance(layer, sliding) for layer in self.cache.layers)
 
     @torch.no_grad()
-    def _probe_specs(self) -> list[StateSpec]:
+    def _probe_specs(self, config, probe: Callable[[Any], None]) -> list[StateSpec]:
         """One throwaway forward to learn each state tensor's shape and dtype."""
         cu = _cache_classes()
-        probe = cu.StaticCache(config=self.model.config, max_cache_len=2 * PROBE_TOKENS)
-        ids = torch.arange(PROBE_TOKENS, device=self.device).unsqueeze(0)  # [1, P]
-        self.model(input_ids=ids, cache=probe, use_cache=True, logits_to_keep=1)
+        cache = cu.StaticCache(config=config, max_cache_len=2 * PROBE_TOKENS)
+        probe(cache)
         specs: list[StateSpec] = []
-        for i, (layer, real) in enumerate(zip(probe.layers, self.cache.layers)):
+        for i, (layer, real) in enumerate(zip(cache.layers, self.cache.layers)):
             if isinstance(layer, cu.StaticLayer):
                 if not layer.is_initialized:
                     raise ConfigError(
@@ -167,9 +167,6 @@ class HFCausalLMAdapter(CausalLMAdapter):
                         specs.append(StateSpec(f'L{i}.recurrent{s}', 'recurrent', rec.shape,
                                                rec.dtype))
         return specs
-
-    def state_specs(self) -> list[StateSpec]:
-        return list(self._specs)
 
     # ---- binding ---------------------------------------------------------------------
 
@@ -197,6 +194,14 @@ class HFCausalLMAdapter(CausalLMAdapter):
                         layer.recurrent_states[s] = rec  # e.g. [B, H, Dk, Dv], often fp32
                         layer.is_recurrent_states_initialized[s] = True
                         layer.device = rec.device
+
+    def set_window(self, kv_len: int | None) -> None:
+        """Let eager attention read only the live prefix (kv_len rows, rounded up)."""
+        window = None
+        if kv_len is not None:
+            window = min(-(-kv_len // WINDOW_QUANTUM) * WINDOW_QUANTUM, self.max_len)
+        for layer in self.windowed:
+            layer.window = window
 
     # ---- non-tensor state ------------------------------------------------------------
 
@@ -247,6 +252,82 @@ class HFCausalLMAdapter(CausalLMAdapter):
             if isinstance(layer, cu.LinearAttentionLayer)
         )
 
+
+def module_fingerprint(identity: dict[str, Any], module: torch.nn.Module,
+                       dtype: torch.dtype) -> str:
+    """
+    Hash an identity dict (config), dtype, parameter shapes and a weight sample.
+
+    Hashing every weight would cost seconds on a large model; the first 16 values of
+    every parameter tell apart any two differently initialized or trained models.
+    """
+    named = list(module.named_parameters())
+    params = [(n, list(p.shape)) for n, p in named]
+    samples = [p.detach().reshape(-1)[:16].float() for _, p in named]
+    sample = torch.cat(samples) if samples else torch.zeros(0)
+    h = hashlib.sha256()
+    h.update(
+        json.dumps(
+            {'config': identity, 'dtype': dtype_name(dtype), 'params': params},
+            sort_keys=True,
+            default=str,
+        ).encode()
+    )
+    h.update(sample.cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+class HFCausalLMAdapter(CausalLMAdapter):
+    """A transformers causal LM running over a StaticCache bound to arena views."""
+
+    def __init__(self, model, tokenizer, max_seq_len: int, model_id: str):
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.model_id = model_id
+        self.tokenizer = tokenizer
+        self.config = model.config.get_text_config(decoder=True)
+        self.family = str(getattr(self.config, 'model_type', 'unknown'))
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.max_seq_len = max_seq_len
+        first = next(self.model.parameters())
+        self.device, self.dtype = first.device, first.dtype
+        self.binding = CacheBinding(self.model.config, max_seq_len, self.family, self._probe)
+        self.cache = self.binding.cache
+        self._windowed = self.binding.windowed  # a test empties it to attend over everything
+
+    @torch.no_grad()
+    def _probe(self, cache) -> None:
+        ids = torch.arange(PROBE_TOKENS, device=self.device).unsqueeze(0)  # [1, P]
+        self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+
+    # ---- the state contract, kept by the cache binding ---------------------------------
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return self.binding.has_sliding_layers
+
+    def state_specs(self) -> list[StateSpec]:
+        return list(self.binding.specs)
+
+    def bind(self, views: dict[str, torch.Tensor]) -> None:
+        self.binding.bind(views)
+
+    def export_meta(self) -> dict[str, Any]:
+        return self.binding.export_meta()
+
+    def import_meta(self, meta: dict[str, Any]) -> None:
+        self.binding.import_meta(meta)
+
+    def reset_meta(self) -> None:
+        self.binding.reset_meta()
+
+    def prepare_capture(self) -> None:
+        self.binding.prepare_capture()
+
+    def decode_ready(self) -> bool:
+        return self.binding.decode_ready()
+
     # ---- compute ---------------------------------------------------------------------
 
     @torch.no_grad()
@@ -260,29 +341,11 @@ class HFCausalLMAdapter(CausalLMAdapter):
         return out.logits[:, -1]  # [1, V]
 
     def fingerprint(self) -> str:
-        """
-        Hash config (minus save-location keys), dtype, parameter shapes, weight sample.
-
-        Hashing every weight would cost seconds on a large model; the first 16 values of
-        every parameter tell apart any two differently initialized or trained models.
-        """
+        """Hash config (minus save-location keys), dtype, parameter shapes, weight sample."""
         cfg = {
             k: v for k, v in self.model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS
         }
-        params = [(n, list(p.shape)) for n, p in self.model.named_parameters()]
-        sample = torch.cat(
-            [p.detach().reshape(-1)[:16].float() for _, p in self.model.named_parameters()]
-        )
-        h = hashlib.sha256()
-        h.update(
-            json.dumps(
-                {'config': cfg, 'dtype': dtype_name(self.dtype), 'params': params},
-                sort_keys=True,
-                default=str,
-            ).encode()
-        )
-        h.update(sample.cpu().numpy().tobytes())
-        return h.hexdigest()
+        return module_fingerprint(cfg, self.model, self.dtype)
 
 
 def load_adapter(

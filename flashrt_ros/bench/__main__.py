@@ -1,0 +1,156 @@
+"""
+Run the benchmark suite: python -m flashrt_ros.bench [options] (make bench, make bench-quick).
+
+Writes <out>/<name>.json (environment, model, every figure's median, p10/p90 and n),
+<out>/<name>.md (the tables) and <plots>/<name>-figN.png, and prints the tables.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+
+from .common import device_info, Log, machine_info, model_info
+from .figures import (
+    fig1_snapshot_restore,
+    fig2_ttft,
+    fig3_correctness,
+    fig4_decode,
+    fig6_kv_only_prefix,
+    Plan,
+)
+from .plots import plot_all
+from .report import to_markdown, to_text
+from .through_ros import fig5_through_ros
+
+FIGURES = ('fig1', 'fig2', 'fig3', 'fig4', 'fig5', 'fig6')
+FULL_LENGTHS = [512, 1024, 2048, 4096, 8192, 16384]
+QUICK_LENGTHS = [256, 512]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog='python -m flashrt_ros.bench',
+                                description=__doc__.strip().split('\n')[0])
+    p.add_argument('--quick', action='store_true',
+                   help='small lengths, few repeats: a CI smoke run (< 3 min on 2 cores)')
+    p.add_argument('--model', default='builtin:bench-hybrid',
+                   help='built-in id or local checkpoint directory (default %(default)s)')
+    p.add_argument('--device', default='cpu', help='cpu, cuda or cuda:N')
+    p.add_argument('--dtype', default='float32', choices=('float32', 'bfloat16', 'float16'))
+    p.add_argument('--lengths', type=int, nargs='+',
+                   help=f'context lengths of fig2/fig6 (default {FULL_LENGTHS}, '
+                        f'--quick {QUICK_LENGTHS}); fig1 uses 64 plus these')
+    p.add_argument('--repeats', type=int,
+                   help='samples of slow measurements (default 5, --quick 2); fast ones take 6x')
+    p.add_argument('--budget-s', type=float,
+                   help='seconds one context length may spend on cold prefills; longer '
+                        'lengths are skipped, saying so (default 150, --quick 20)')
+    p.add_argument('--only', default=','.join(FIGURES),
+                   help='comma-separated figures to run (default all: %(default)s)')
+    p.add_argument('--node-model', default='builtin:tiny-hybrid',
+                   help='model of the node process in fig5 (default %(default)s)')
+    p.add_argument('--out', default='bench/results', help='directory of the JSON and tables')
+    p.add_argument('--plots', help='directory of the PNG plots (default: --out)')
+    p.add_argument('--name', help='result name (default: quick, or the device type)')
+    args = p.parse_args(argv)
+    only = [f.strip() for f in args.only.split(',') if f.strip()]
+    unknown = sorted(set(only) - set(FIGURES))
+    if unknown:
+        p.error(f'unknown figures {unknown}; choose from {", ".join(FIGURES)}')
+    args.only = [f for f in FIGURES if f in only]
+    return args
+
+
+def make_plan(args, workdir):
+    quick = args.quick
+    lengths = sorted(set(args.lengths or (QUICK_LENGTHS if quick else FULL_LENGTHS)))
+    repeats = args.repeats or (2 if quick else 5)
+    return Plan(
+        quick=quick, lengths=lengths, sizes=sorted({64} | set(lengths)), repeats=repeats,
+        fast_repeats=6 * repeats, budget_s=args.budget_s or (20.0 if quick else 150.0),
+        decode_steps=16 if quick else 64, correctness_steps=64,
+        round_trips=50 if quick else 200, interrupts=20 if quick else 200,
+        node_model=args.node_model, workdir=workdir)
+
+
+def build_runtime(args, plan):
+    from flashrt_ros.runtime import Runtime, RuntimeConfig
+
+    rt = Runtime(RuntimeConfig(
+        model=args.model, device=args.device, dtype=args.dtype,
+        max_seq_len=max(plan.lengths + [512]) + 128, device_budget_bytes=0,
+        host_budget_bytes=0, disk_budget_bytes=0,
+        capsule_dir=os.path.join(plan.workdir, 'capsules')))
+    rt.warmup()
+    return rt
+
+
+def run_figure(key, rt, args, plan, log):
+    """Run one figure; an exception is recorded in its result, never raised."""
+    t0 = time.monotonic()
+    log(f'{key} ...')
+    try:
+        if key == 'fig5':
+            result = fig5_through_ros(plan, args.device, log)
+        else:
+            fn = {'fig1': fig1_snapshot_restore, 'fig2': fig2_ttft, 'fig3': fig3_correctness,
+                  'fig4': fig4_decode, 'fig6': fig6_kv_only_prefix}[key]
+            result = fn(rt, plan, log)
+    except Exception as exc:
+        result = {'error': f'{type(exc).__name__}: {exc}', 'traceback': traceback.format_exc()}
+        log(f'{key} FAILED: {result["error"]}')
+        if rt is not None and not rt.generating:
+            rt.reset()
+    result['elapsed_s'] = time.monotonic() - t0
+    log(f'{key} done in {result["elapsed_s"]:.1f} s')
+    return result
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    warnings.filterwarnings('ignore', message='.*falling back to its reference PyTorch.*')
+    name = args.name or ('quick' if args.quick else args.device.split(':')[0])
+    log = Log()
+    workdir = tempfile.mkdtemp(prefix='flashrt_bench_')
+    plan = make_plan(args, workdir)
+    results = {'name': name, 'created': time.strftime('%Y-%m-%dT%H:%M:%S%z'),
+               'argv': sys.argv[1:] if argv is None else list(argv), 'quick': plan.quick,
+               'plan': {k: v for k, v in vars(plan).items() if k != 'workdir'},
+               'machine': machine_info(), 'device': device_info(args.device)}
+    rt = None
+    try:
+        if set(args.only) - {'fig5'}:
+            log(f'building {args.model} on {args.device} ({args.dtype})')
+            rt = build_runtime(args, plan)
+            results['model'] = model_info(rt)
+        else:
+            results['model'] = {'id': args.node_model, 'dtype': args.dtype}
+        results['figures'] = {key: run_figure(key, rt, args, plan, log) for key in args.only}
+    finally:
+        if rt is not None:
+            rt.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    results['machine']['loadavg_end'] = list(os.getloadavg())
+    results['elapsed_s'] = log.elapsed()
+    results['plots'] = plot_all(results, args.plots or args.out, name)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f'{name}.json')
+    with open(path, 'w') as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(args.out, f'{name}.md'), 'w') as f:
+        f.write(to_markdown(results))
+    print(to_text(results))
+    print(f'\nwrote {path}, {len(results["plots"])} plots; {results["elapsed_s"]:.0f} s in all')
+    failed = [k for k, f in results['figures'].items() if 'error' in f]
+    if failed:
+        print(f'figures that failed: {", ".join(failed)} (see "error" in the JSON)')
+    return 1 if failed else 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""PNG plots of the figures (matplotlib, Agg backend: no display needed)."""
+
+import os
+
+import matplotlib
+
+matplotlib.use('Agg')
+import matplotlib.pyplot as plt  # noqa: E402 (the backend must be chosen first)
+
+TIER_COLORS = {'device': 'tab:blue', 'host': 'tab:orange', 'disk': 'tab:green'}
+OURS, BASELINE, PAPER = 'tab:blue', 'tab:gray', 'tab:red'
+
+
+def _err(stats):
+    """Return (medians, [lower errors, upper errors]) for p10-p90 error bars."""
+    med = [s['median'] for s in stats]
+    return med, [[m - s['p10'] for m, s in zip(med, stats)],
+                 [s['p90'] - m for m, s in zip(med, stats)]]
+
+
+def _save(fig, path, subtitle):
+    fig.suptitle(subtitle, fontsize=9, color='dimgray', y=0.01, va='bottom')
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def fig1(f, path, subtitle):
+    """Latency vs state size: snapshot and restore per tier, raw copies dashed."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True)
+    for ax, op in zip(axes, ('snapshot', 'restore')):
+        for tier, color in TIER_COLORS.items():
+            rows = [r for r in f['rows'] if r['tier'] == tier]
+            if not rows:
+                continue
+            mib = [r['bytes'] / 2**20 for r in rows]
+            med, err = _err([r[f'{op}_ms'] for r in rows])
+            ax.errorbar(mib, med, yerr=err, color=color, marker='o', capsize=3,
+                        label=f'{op} ({tier})')
+            ax.plot(mib, [r[f'raw_{op}_ms']['median'] for r in rows], color=color,
+                    linestyle='--', marker='x', alpha=0.8, label=f'raw copy ({tier})')
+        ax.set_xscale('log')
+        ax.set_yscale('log')
+        ax.set_xlabel('state size (MiB)')
+        ax.set_title(f'{op}: ours (solid) vs raw copy of the same bytes (dashed)', fontsize=10)
+        ax.grid(True, which='both', alpha=0.3)
+    axes[0].set_ylabel('latency (ms, median; bars p10-p90)')
+    axes[1].legend(fontsize=7, ncol=2)
+    return _save(fig, path, subtitle)
+
+
+def fig2(f, path, subtitle):
+    """TTFT curves (cold prefill vs restore + first token) and the speedup, like the paper."""
+    rows = f['rows']
+    tokens = [r['tokens'] for r in rows]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.4))
+    for key, label, color in (('cold_prefill_ms', 'cold prefill + first token', BASELINE),
+                              ('restore_first_token_ms', 'restore capsule + first token',
+                               OURS)):
+        med, err = _err([r[key] for r in rows])
+        ax.errorbar(tokens, med, yerr=err, marker='o', capsize=3, color=color, label=label)
+    ax.set_xscale('log', base=2)
+    ax.set_yscale('log')
+    ax.set_xticks(tokens, [f'{t // 1024}k' if t >= 1024 else str(t) for t in tokens])
+    ax.set_xlabel('context length (tokens)')
+    ax.set_ylabel('time to first token (ms)')
+    ax.set_title('Time to first token', fontsize=10)
+    ax.grid(True, which='both', alpha=0.3)
+    ax.legend(fontsize=8)
+    bx.plot(tokens, [r['speedup'] for r in rows], marker='o', color=OURS, label='ours')
+    for t, s in zip(tokens, [r['speedup'] for r in rows]):
+        bx.annotate(f'{s:.0f}x', (t, s), textcoords='offset points', xytext=(0, 6),
+                    ha='center', fontsize=8, color=OURS)
+    paper = sorted((int(k), v) for k, v in f.get('paper', {}).items())
+    bx.plot([p[0] for p in paper], [p[1] for p in paper], marker='s', linestyle=':',
+            color=PAPER, label='paper (RTX 5090)')
+    for t, s in paper:
+        bx.annotate(f'{s:g}x', (t, s), textcoords='offset points', xytext=(0, -14),
+                    ha='center', fontsize=8, color=PAPER)
+    bx.set_xscale('log', base=2)
+    bx.set_yscale('log')
+    ticks = sorted(set(tokens) | {p[0] for p in paper})
+    bx.set_xticks(ticks, [f'{t // 1024}k' if t >= 1024 else str(t) for t in ticks])
+    bx.set_xlabel('context length (tokens)')
+    bx.set_ylabel('speedup (cold / restore)')
+    bx.set_title('TTFT speedup of restoring a capsule', fontsize=10)
+    bx.grid(True, which='both', alpha=0.3)
+    bx.legend(fontsize=8)
+    return _save(fig, path, subtitle)
+
+
+def fig3(f, path, subtitle):
+    """Per decode step: does the token match the reference after each kind of restore."""
+    fig, ax = plt.subplots(figsize=(11, 3.2))
+    lines = [(f'full restore ({t})', v['match']) for t, v in f['tiers'].items()]
+    lines.append(('KV-only restore (ablation)', f['kv_only']['match']))
+    for y, (label, match) in enumerate(lines):
+        colors = ['tab:green' if m else 'tab:red' for m in match]
+        ax.scatter(range(len(match)), [y] * len(match), c=colors, marker='s', s=30)
+    ax.set_yticks(range(len(lines)), [label for label, _ in lines])
+    ax.set_ylim(-0.7, len(lines) - 0.3)
+    ax.set_xlabel('greedy decode step after restore (green: same token as before, red: not)')
+    first = f['kv_only']['first_diverging_step']
+    ax.set_title(f'Token identity over {f["steps"]} steps; KV-only diverges at step {first}',
+                 fontsize=10)
+    return _save(fig, path, subtitle)
+
+
+def fig4(f, path, subtitle):
+    """Decode tokens/s per path, with p10-p90 bars."""
+    names = list(f['tokens_per_s'])
+    med, err = _err([f['tokens_per_s'][k] for k in names])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    colors = [OURS if k.startswith('arena') else BASELINE for k in names]
+    ax.bar(names, med, yerr=err, capsize=4, color=colors)
+    for i, m in enumerate(med):
+        ax.annotate(f'{m:.1f}', (i, m), textcoords='offset points', xytext=(0, 4),
+                    ha='center', fontsize=8)
+    ax.set_ylabel('decode tokens/s (median; bars p10-p90)')
+    ax.set_title(f'Greedy decode, {f["steps"]} steps: arena engine vs DynamicCache',
+                 fontsize=10)
+    ax.grid(True, axis='y', alpha=0.3)
+    return _save(fig, path, subtitle)
+
+
+def fig5(f, path, subtitle):
+    """Service round-trips (bars) and the interrupt -> restored latency distribution."""
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
+    keys = [('trigger_round_trip_ms', 'bare Trigger\nround-trip'),
+            ('restore_round_trip_ms', '~/restore\nround-trip'),
+            ('restore_minus_runtime_ms', '~/restore minus\nruntime restore'),
+            ('runtime_restore_ms', 'runtime\nrestore')]
+    med, err = _err([f[k] for k, _ in keys])
+    ax.bar([label for _, label in keys], med, yerr=err, capsize=4,
+           color=[BASELINE, OURS, OURS, 'tab:cyan'])
+    ax.set_ylabel('ms (median; bars p10-p90)')
+    ax.set_title(f'Service round-trips: node adds {f["node_added_ms"]:.3f} ms', fontsize=10)
+    ax.tick_params(axis='x', labelsize=8)
+    ax.grid(True, axis='y', alpha=0.3)
+    for key, label, color in (('interrupt_node_samples_ms', 'node: receipt -> restored', OURS),
+                              ('interrupt_e2e_samples_ms', 'client: publish -> event', 'tab:purple')):
+        values = sorted(f[key])
+        if values:
+            bx.plot(values, [(i + 1) / len(values) for i in range(len(values))], color=color,
+                    label=label)
+    bx.axvline(f['interrupt_bound_ms'], color=PAPER, linestyle='--',
+               label=f'bound: step + restore + 1 ms = {f["interrupt_bound_ms"]:.1f} ms')
+    bx.set_xlabel('interrupt -> restored (ms)')
+    bx.set_ylabel('fraction of interrupts (CDF)')
+    bx.set_title(f'{f["interrupts"]} interrupts during generation', fontsize=10)
+    bx.grid(True, alpha=0.3)
+    bx.legend(fontsize=8, loc='lower right')
+    return _save(fig, path, subtitle)
+
+
+def fig6(f, path, subtitle):
+    """Capsule restore vs the KV-only prefix-cache path, per context length (log scale)."""
+    rows = f['rows']
+    tokens = [r['tokens'] for r in rows]
+    bars = [('capsule restore', [r['restore_ms']['median'] for r in rows], OURS),
+            ('KV-only restore', [r['kv_only_restore_ms']['median'] for r in rows], 'tab:cyan'),
+            ('+ rebuild: recurrent layers only (oracle)', [r['kv_prefix_oracle_ms'] for r in rows],
+             'tab:orange'),
+            ('+ rebuild: layers 0..last recurrent (needed)',
+             [r['kv_prefix_path_ms'] for r in rows], BASELINE)]
+    fig, ax = plt.subplots(figsize=(9, 4.4))
+    width = 0.8 / len(bars)
+    for j, (label, values, color) in enumerate(bars):
+        xs = [i + (j - (len(bars) - 1) / 2) * width for i in range(len(tokens))]
+        ax.bar(xs, values, width, label=label, color=color)
+    ax.set_xticks(range(len(tokens)), [str(t) for t in tokens])
+    ax.set_yscale('log')
+    ax.set_xlabel('context length (tokens)')
+    ax.set_ylabel('ms to a correct state (median)')
+    ax.set_title('KV-only prefix caching must re-prefill the recurrent layers; a capsule '
+                 'restores them', fontsize=10)
+    ax.grid(True, axis='y', which='both', alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path, subtitle)
+
+
+PLOTS = {'fig1': fig1, 'fig2': fig2, 'fig3': fig3, 'fig4': fig4, 'fig5': fig5, 'fig6': fig6}
+
+
+def plot_all(results, directory, name):
+    """Write one PNG per figure that has results; return {figure: path}."""
+    os.makedirs(directory, exist_ok=True)
+    subtitle = (f'{results["model"]["id"]} ({results["model"]["dtype"]}) on '
+                f'{results["device"]["name"]}; flashrt_ros bench "{name}"')
+    paths = {}
+    for key, fig in results['figures'].items():
+        has_data = fig.get('rows') or fig.get('tiers') or fig.get('tokens_per_s') \
+            or 'node_added_ms' in fig
+        if key in PLOTS and has_data:
+            paths[key] = PLOTS[key](fig, os.path.join(directory, f'{name}-{key}.png'), subtitle)
+    return paths

@@ -1,0 +1,174 @@
+"""Result tables (printed, and as Markdown for docs/benchmarks.md) and the target checks."""
+
+
+def _ms(stat, digits=3):
+    """Format a summary dict as 'median (p10-p90)'."""
+    if not stat or stat.get('median') is None:
+        return '-'
+    return (f'{stat["median"]:.{digits}f} ({stat["p10"]:.{digits}f}-'
+            f'{stat["p90"]:.{digits}f})')
+
+
+def _num(x, fmt='.2f', suffix=''):
+    return '-' if x is None else f'{x:{fmt}}{suffix}'
+
+
+def _yes(flag):
+    return '-' if flag is None else ('yes' if flag else 'NO')
+
+
+def _fig1(f):
+    header = ['position', 'tier', 'MiB', 'snapshot ms', 'raw ms', 'x raw', 'restore ms',
+              'raw ms', 'x raw', 'restore GB/s', 'raw GB/s', 'n']
+    rows = [[r['position'], r['tier'], f'{r["bytes"] / 2**20:.2f}',
+             _num(r['snapshot_ms']['median'], '.3f'), _num(r['raw_snapshot_ms']['median'], '.3f'),
+             _num(r['snapshot_vs_raw']), _num(r['restore_ms']['median'], '.3f'),
+             _num(r['raw_restore_ms']['median'], '.3f'), _num(r['restore_vs_raw']),
+             _num(r['restore_mb_per_s'] / 1e3), _num(r['raw_restore_mb_per_s'] / 1e3),
+             r['restore_ms']['n']] for r in f['rows']]
+    return header, rows
+
+
+def _fig2(f):
+    header = ['tokens', 'cold prefill ms', 'restore + 1st token ms', 'speedup', 'paper',
+              'same token', 'n cold/warm']
+    rows = [[r['tokens'], _ms(r['cold_prefill_ms'], 1), _ms(r['restore_first_token_ms'], 2),
+             _num(r['speedup'], '.1f', 'x'), _num(r['paper_speedup'], '.1f', 'x'),
+             _yes(r['same_first_token']),
+             f'{r["cold_prefill_ms"]["n"]}/{r["restore_first_token_ms"]["n"]}']
+            for r in f['rows']]
+    return header, rows
+
+
+def _fig3(f):
+    tiers = f['tiers']
+    header = ['check'] + list(tiers)
+    rows = [['restored state byte-exact'] + [_yes(t['byte_exact']) for t in tiers.values()],
+            [f'greedy decode token-identical ({f["steps"]} tokens)']
+            + [_yes(t['token_identical']) for t in tiers.values()]]
+    kv = f['kv_only']
+    rows.append(['KV-only restore (ablation) diverges', _yes(kv['diverged'])
+                 + f' (first diverging step {kv["first_diverging_step"]})']
+                + [''] * (len(tiers) - 1))
+    return header, rows
+
+
+def _fig4(f):
+    tps = f['tokens_per_s']
+    arena = tps['arena']['median']
+    header = ['decode path', 'tokens/s median (p10-p90)', 'arena / this', 'n']
+    rows = [[k, _ms(v, 1), _num(arena / v['median'] if v['median'] else None), v['n']]
+            for k, v in tps.items()]
+    return header, rows
+
+
+def _fig5(f):
+    header = ['measure', 'ms median (p10-p90)', 'p99', 'n']
+    rows = [
+        ['~/restore round-trip', _ms(f['restore_round_trip_ms']), '', f['restore_round_trip_ms']['n']],
+        ['  runtime restore (latency_ms)', _ms(f['runtime_restore_ms']), '', ''],
+        ['  round-trip minus runtime', _ms(f['restore_minus_runtime_ms']), '', ''],
+        ['bare Trigger round-trip', _ms(f['trigger_round_trip_ms']), '',
+         f['trigger_round_trip_ms']['n']],
+        ['node adds (medians)', _num(f['node_added_ms'], '.3f'), '', ''],
+        ['interrupt -> restored (node, ~/events)', _ms(f['interrupt_node_ms']),
+         _num(f['interrupt_node_ms']['p99'], '.3f'), f['interrupt_node_ms']['n']],
+        ['interrupt -> event received (client)', _ms(f['interrupt_e2e_ms']),
+         _num(f['interrupt_e2e_ms']['p99'], '.3f'), f['interrupt_e2e_ms']['n']],
+        ['decode step (node stamps)', _ms(f['decode_step_ms']), '', f['decode_step_ms']['n']],
+        ['bound: step + restore + 1 ms', _num(f['interrupt_bound_ms'], '.3f'), '', ''],
+    ]
+    return header, rows
+
+
+def _fig6(f):
+    header = ['tokens', 'capsule restore ms', 'KV-only restore ms', 'rebuild needed ms',
+              'recurrent layers only ms', 'KV path / capsule', 'oracle / capsule']
+    rows = [[r['tokens'], _ms(r['restore_ms']), _ms(r['kv_only_restore_ms']),
+             _ms(r['rebuild_needed_ms'], 1), _ms(r['rebuild_recurrent_only_ms'], 1),
+             _num(r['kv_prefix_vs_capsule'], '.0f', 'x'), _num(r['oracle_vs_capsule'], '.0f', 'x')]
+            for r in f['rows']]
+    return header, rows
+
+
+TABLES = {'fig1': _fig1, 'fig2': _fig2, 'fig3': _fig3, 'fig4': _fig4, 'fig5': _fig5,
+          'fig6': _fig6}
+
+
+def targets(results):
+    """Return [figure, target, measured, holds] rows for the issue's performance targets."""
+    figs, rows = results['figures'], []
+    f = figs.get('fig1', {})
+    if f.get('rows'):
+        worst = max((r for r in f['rows'] if r['tier'] == 'device'),
+                    key=lambda r: r['restore_vs_raw'])
+        rows.append(['fig1', 'device restore <= 1.3x raw copy_ (every size)',
+                     f'worst {worst["restore_vs_raw"]:.2f}x at position {worst["position"]}; '
+                     f'holds at {f["target_holds_at"]}', _yes(f['target_holds'])])
+    f = figs.get('fig2', {})
+    for r in f.get('rows', []):
+        if r['paper_speedup'] or r['tokens'] == 8192:
+            goal = r['paper_speedup'] or figs['fig2'].get('paper', {}).get('2048', 3.9)
+            rows.append(['fig2', f'TTFT speedup at {r["tokens"]} >= {goal}x',
+                         f'{r["speedup"]:.1f}x', _yes(r['speedup'] >= goal)])
+    f = figs.get('fig3', {})
+    if 'passed' in f:
+        rows.append(['fig3', 'byte-exact + token-identical; KV-only diverges',
+                     f'first KV-only divergence at step {f["kv_only"]["first_diverging_step"]}',
+                     _yes(f['passed'])])
+    f = figs.get('fig4', {})
+    if 'ratio_vs_dynamic_cache_loop' in f:
+        rows.append(['fig4', 'arena / DynamicCache decode tokens/s >= 1.0',
+                     f'{f["ratio_vs_dynamic_cache_loop"]:.2f} (loop), '
+                     f'{f["ratio_vs_hf_generate"]:.2f} (generate())', _yes(f['target_holds'])])
+    f = figs.get('fig5', {})
+    if 'targets' in f:
+        rows.append(['fig5', 'node adds <= 0.5 ms over a bare Trigger (median)',
+                     f'{f["node_added_ms"]:.3f} ms', _yes(f['targets']['node_added_le_0_5_ms'])])
+        rows.append(['fig5', 'interrupt -> restored p99 <= step + restore + 1 ms',
+                     f'p99 {f["interrupt_node_ms"]["p99"]:.2f} ms (node) / '
+                     f'{f["interrupt_e2e_ms"]["p99"]:.2f} ms (client) vs '
+                     f'{f["interrupt_bound_ms"]:.2f} ms',
+                     _yes(f['targets']['interrupt_node_p99_le_bound'])
+                     + ' / ' + _yes(f['targets']['interrupt_e2e_p99_le_bound'])])
+    return rows
+
+
+def sections(results):
+    """Yield (title, header, rows, notes) for every figure that has results, then targets."""
+    for key, fig in results['figures'].items():
+        notes = list(fig.get('skipped', [])) + ([fig['error']] if 'error' in fig else [])
+        if key in TABLES and (fig.get('rows') or fig.get('tiers') or fig.get('tokens_per_s')
+                              or 'node_added_ms' in fig):
+            header, rows = TABLES[key](fig)
+        else:
+            header, rows = [], []
+        yield f'{key}: {fig.get("title", "")}', header, rows, notes
+    yield 'targets', ['figure', 'target', 'measured', 'holds'], targets(results), []
+
+
+def to_text(results):
+    """Render every section as aligned plain-text columns."""
+    out = []
+    for title, header, rows, notes in sections(results):
+        out.append(f'\n== {title}')
+        if header:
+            cells = [header] + [[str(c) for c in row] for row in rows]
+            widths = [max(len(str(r[i])) for r in cells) for i in range(len(header))]
+            for row in cells:
+                out.append('  '.join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+        out += [f'  note: {n}' for n in notes]
+    return '\n'.join(out)
+
+
+def to_markdown(results):
+    """Render every section as a Markdown table."""
+    out = []
+    for title, header, rows, notes in sections(results):
+        out.append(f'\n#### {title}\n')
+        if header:
+            out.append('| ' + ' | '.join(header) + ' |')
+            out.append('|' + '---|' * len(header))
+            out += ['| ' + ' | '.join(str(c) for c in row) + ' |' for row in rows]
+        out += [f'\n_Note: {n}_' for n in notes]
+    return '\n'.join(out) + '\n'

@@ -1,0 +1,203 @@
+"""Policy mode: observations in, action chunks out, with the same capsule guarantees."""
+
+import math
+
+from flashrt_ros.runtime import InvalidRequestError
+from flashrt_ros.runtime.arena import StateSpec
+from flashrt_ros.runtime.models import ModulePolicyAdapter, PolicySpec, save_policy
+import pytest
+import torch
+
+POLICY = 'builtin:tiny-policy'
+
+
+def _observations(n, seed):
+    """Return n deterministic, distinct 4-d observations (joint positions and velocities)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 4, generator=g).tolist()
+
+
+def _run(rt, observations, take=2):
+    """Act on each observation and take `take` queued actions; return everything produced."""
+    out = []
+    for obs in observations:
+        out.append(rt.act(obs).actions)
+        out.extend(rt.next_action() for _ in range(take))
+    return out
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.fixture
+def policy(make_runtime):
+    return make_runtime(POLICY)
+
+
+def test_restore_replays_byte_exact_and_action_identical(policy):
+    rt = policy
+    _run(rt, _observations(5, seed=0))
+    rt.next_action()  # a part-executed chunk: the queue is part of the state
+    info = rt.snapshot('decision')
+    digest, queue = rt.state_digest(), rt.pending_actions()
+    assert info.position == rt.position == 5 and len(queue) == 8 - 3
+    assert set(info.components) >= {'kv', 'conv', 'recurrent', 'actions', 'rng'}
+    branch_a = _run(rt, _observations(6, seed=1))
+    rt.restore('decision')
+    branch_b = _run(rt, _observations(6, seed=2))
+    assert not _same(branch_a, branch_b)
+    rt.restore('decision')
+    assert rt.state_digest() == digest and rt.position == 5
+    assert torch.equal(rt.pending_actions(), queue)
+    assert _same(_run(rt, _observations(6, seed=1)), branch_a)
+
+
+def test_rng_is_part_of_the_state(policy):
+    rt = policy  # tiny-policy adds noise drawn from the runtime RNG to every chunk
+    rt.act([0.0] * 4)
+    rt.snapshot('s')
+    first = rt.act([0.5] * 4).actions
+    rt.restore('s')
+    rt.generator.manual_seed(99)  # bytes restored, RNG moved: the same step must differ
+    assert not torch.equal(rt.act([0.5] * 4).actions, first)
+    rt.restore('s')
+    assert torch.equal(rt.act([0.5] * 4).actions, first)
+
+
+def test_kv_only_restore_diverges_for_the_hybrid_policy(policy):
+    rt = policy
+    _run(rt, _observations(6, seed=3))
+    rt.snapshot('a')
+    reference = _run(rt, _observations(4, seed=4))
+    _run(rt, _observations(6, seed=5))  # conv/recurrent state now hold another history
+    rt.restore('a', mode='kv_only')
+    assert rt.position == 6
+    assert not _same(_run(rt, _observations(4, seed=4)), reference), \
+        'recurrent/conv state is load-bearing: KV alone must not suffice'
+    rt.restore('a')
+    assert _same(_run(rt, _observations(4, seed=4)), reference)
+
+
+def test_every_control_step_is_a_committed_boundary(policy):
+    rt = policy
+    digests = []
+    for obs in _observations(3, seed=6):
+        rt.act(obs)
+        digests.append(rt.state_digest())
+    info = rt.rollback(1)
+    assert info.position == rt.position == 2 and rt.state_digest() == digests[1]
+
+
+@pytest.mark.parametrize('bad', [
+    [0.1, 0.2, 0.3],                              # too short
+    [0.1, 0.2, 0.3, 0.4, 0.5],                    # too long
+    [0.1, float('nan'), 0.3, 0.4],
+    [0.1, 0.2, float('inf'), 0.4],
+    [0.1, 0.2, 0.3, 1e39],                        # overflows float32 to inf
+    [[0.1, 0.2, 0.3, 0.4], [0.1, 0.2]],           # ragged
+    [[[0.1, 0.2, 0.3, 0.4]]],                     # 3-d
+    [],
+    'abcd',
+    None,
+])
+def test_bad_observations_are_rejected_and_leave_the_state_alone(policy, bad):
+    rt = policy
+    rt.act([0.1, 0.2, 0.3, 0.4])
+    digest, position = rt.state_digest(), rt.position
+    with pytest.raises(InvalidRequestError):
+        rt.act(bad)
+    assert rt.state_digest() == digest and rt.position == position
+    assert rt.rollback(1).position == 0  # the ring holds no boundary from the bad step
+
+
+def test_interrupt_drops_the_pending_queue(policy):
+    rt = policy
+    rt.act([0.1, 0.2, 0.3, 0.4])
+    assert rt.next_action() is not None and len(rt.pending_actions()) == 7
+    rt.interrupt()
+    assert len(rt.pending_actions()) == 0 and rt.next_action() is None
+    assert rt.position == 1  # the folded observation stays; only the stale actions go
+
+
+def test_reset_and_full_episode(make_runtime):
+    rt = make_runtime(POLICY, max_seq_len=8)
+    empty = rt.state_digest()
+    rt.act(torch.zeros(8, 4))  # a history of 8 observations in one batched step
+    assert rt.position == 8
+    with pytest.raises(InvalidRequestError, match='episode is full'):
+        rt.act([0.0] * 4)
+    rt.reset()
+    assert rt.position == 0 and rt.state_digest() == empty and rt.next_action() is None
+
+
+def test_modes_refuse_each_others_calls(policy, make_runtime):
+    with pytest.raises(InvalidRequestError, match='robot policy'):
+        policy.generate('hello')
+    with pytest.raises(InvalidRequestError, match='robot policy'):
+        policy.prefill('hello')
+    lm = make_runtime('builtin:tiny-mamba2')
+    with pytest.raises(InvalidRequestError, match='language model'):
+        lm.act([0.0] * 4)
+
+
+def test_local_checkpoint_loads_the_same_policy(policy, make_runtime, tmp_path):
+    path = save_policy(POLICY, tmp_path / 'ckpt')
+    assert (path / 'policy.json').is_file() and (path / 'model.safetensors').is_file()
+    local = make_runtime(str(path))
+    assert local.fingerprint == policy.fingerprint
+    assert local.policy_spec == policy.policy_spec
+    assert local.policy_spec.joint_names == ('shoulder', 'elbow')
+    observations = _observations(4, seed=7)
+    assert _same(_run(local, observations), _run(policy, observations))
+    policy.snapshot('shared', tier='disk')  # the two runtimes share one capsule dir
+    local.restore('shared')
+    assert local.state_digest() == policy.state_digest()
+
+
+def test_bad_policy_checkpoint_is_a_config_error(make_runtime, tmp_path):
+    from flashrt_ros.runtime import ConfigError
+
+    (tmp_path / 'policy.json').write_text('{"obs_dim": 4, "action_dim": 0, "horizon": 8}')
+    with pytest.raises(ConfigError, match='action_dim'):
+        make_runtime(str(tmp_path))
+
+
+class GRUPolicy(torch.nn.Module):
+    """A user's own policy: one GRU cell whose hidden state lives in the arena."""
+
+    def __init__(self, obs_dim=3, hidden=16, horizon=4, action_dim=2):
+        super().__init__()
+        self.cell = torch.nn.GRUCell(obs_dim, hidden)
+        self.head = torch.nn.Linear(hidden, horizon * action_dim)
+        self.shape, self.hidden_size = (horizon, action_dim), hidden
+
+    def state_specs(self, max_steps):
+        return [StateSpec('gru.h', 'recurrent', (1, self.hidden_size), torch.float32)]
+
+    def bind(self, views):
+        self.h = views['gru.h']  # [1, hidden]: read and written in place only
+
+    def forward(self, observations, position, generator):
+        for obs in observations:
+            self.h.copy_(self.cell(obs.unsqueeze(0), self.h))
+        return torch.tanh(self.head(self.h[0])).view(self.shape)
+
+
+def test_a_user_module_gets_the_same_capsule_guarantees(make_runtime):
+    torch.manual_seed(0)
+    module = GRUPolicy()
+    adapter = ModulePolicyAdapter(module, PolicySpec(3, 2, 4), max_steps=128)
+    rt = make_runtime('user:gru-policy', adapter=adapter)
+    empty = rt.state_digest()
+    assert rt.components == ['recurrent', 'actions', 'rng', 'meta']
+    rt.act([0.1, 0.2, 0.3])
+    rt.snapshot('s')
+    first = _run(rt, [[0.3, 0.2, 0.1], [1.0, 0.0, -1.0]], take=1)
+    rt.restore('s')
+    assert _same(_run(rt, [[0.3, 0.2, 0.1], [1.0, 0.0, -1.0]], take=1), first)
+    rt.restore('s', mode='kv_only')  # leaves the recurrent state of the newer steps
+    assert not torch.equal(rt.act([0.3, 0.2, 0.1]).actions, first[0])
+    rt.reset()
+    assert rt.state_digest() == empty
+    assert math.isclose(float(module.h.abs().sum()), 0.0)
