@@ -1,5 +1,5 @@
 # Fresh machine (Debian/Ubuntu x86_64, Python 3.10+, no ROS): `make demo`, `make test`.
-.PHONY: setup test demo bench bench-quick lint clean
+.PHONY: setup test demo demo-policy bench bench-quick lint clean
 
 setup:
 	bash scripts/bootstrap.sh
@@ -13,11 +13,16 @@ lint: setup
 demo: setup
 	bash scripts/run_demo.sh
 
+demo-policy: setup
+	DEMO_MODULE=flashrt_ros.demo_policy bash scripts/run_demo.sh
+
+# Run from bench/results so the installed package (with the generated msg/srv modules that
+# fig5 needs) is imported, not the source folder. Extra options: make bench ARGS='--only fig2'
 bench: setup
-	. ./env.sh && python -m flashrt_ros.bench
+	. ./env.sh && cd bench/results && python -m flashrt_ros.bench --out . $(ARGS)
 
 bench-quick: setup
-	. ./env.sh && python -m flashrt_ros.bench --quick
+	. ./env.sh && cd bench/results && python -m flashrt_ros.bench --quick --out . $(ARGS)
 
 clean:
 	rm -rf build install log env.sh

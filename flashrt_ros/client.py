@@ -13,6 +13,9 @@ callback (a service call made there does not deadlock).
                               feedback_callback=lambda chunk: print(chunk.text, end=''))
     client.restore('home')
     client.close()
+
+Policy mode: `subscribe_actions(cb)`, then `publish_joint_state(names, position, velocity)`
+(or `publish_observation(vector)`) once per control step.
 """
 
 import itertools
@@ -21,7 +24,7 @@ import threading
 import time
 
 from flashrt_ros.action import Generate
-from flashrt_ros.msg import CapsuleEvent, Interrupt, TokenChunk
+from flashrt_ros.msg import ActionChunk, CapsuleEvent, Interrupt, TokenChunk
 from flashrt_ros.srv import DeleteCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
 from lifecycle_msgs.srv import ChangeState, GetState
 import rclpy
@@ -30,7 +33,8 @@ from rclpy.callback_groups import ReentrantCallbackGroup
 from rclpy.context import Context
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
-from std_msgs.msg import Empty, String
+from sensor_msgs.msg import JointState
+from std_msgs.msg import Empty, Float32MultiArray, String
 from std_srvs.srv import Trigger
 
 # Match the node's QoS (see flashrt_ros/node.py): reliable everywhere, a deep interrupt queue.
@@ -155,6 +159,10 @@ class FlashRTClient:
         self._interrupt_pub = n.create_publisher(Interrupt, f'{self.base}/interrupt',
                                                  INTERRUPT_QOS)
         self._reset_pub = n.create_publisher(Empty, f'{self.base}/reset', COMMAND_QOS)
+        self._joint_state_pub = n.create_publisher(JointState, f'{self.base}/observation',
+                                                   COMMAND_QOS)
+        self._vector_pub = n.create_publisher(Float32MultiArray,
+                                              f'{self.base}/observation_vector', COMMAND_QOS)
         self._group = group
 
         self._executor = MultiThreadedExecutor(num_threads=4, context=context)
@@ -306,6 +314,23 @@ class FlashRTClient:
         """Publish ~/reset: the node stops and restores its home capsule."""
         self._reset_pub.publish(Empty())
 
+    def publish_observation(self, values):
+        """Publish a raw observation vector on ~/observation_vector (policy mode)."""
+        self._vector_pub.publish(Float32MultiArray(data=[float(v) for v in values]))
+
+    def publish_joint_state(self, names, position=(), velocity=(), effort=()):
+        """Publish a sensor_msgs/JointState on ~/observation (policy mode)."""
+        msg = JointState(name=list(names), position=[float(v) for v in position],
+                         velocity=[float(v) for v in velocity],
+                         effort=[float(v) for v in effort])
+        msg.header.stamp = self.node.get_clock().now().to_msg()
+        self._joint_state_pub.publish(msg)
+
+    def subscribe_actions(self, callback):
+        """Call callback(ActionChunk) for every message on ~/actions; return the subscription."""
+        return self.node.create_subscription(ActionChunk, f'{self.base}/actions', callback,
+                                             COMMAND_QOS, callback_group=self._group)
+
     def subscribe_tokens(self, callback):
         """Call callback(TokenChunk) for every chunk on ~/tokens; return the subscription."""
         return self.node.create_subscription(TokenChunk, f'{self.base}/tokens', callback,
@@ -317,9 +342,10 @@ class FlashRTClient:
                                              STREAM_QOS, callback_group=self._group)
 
     def wait_for_subscribers(self, timeout=5.0):
-        """Wait until the node subscribes to ~/interrupt, ~/reset and ~/prompt."""
+        """Wait until the node subscribes to its command and observation topics."""
         deadline = time.monotonic() + timeout
-        pubs = (self._interrupt_pub, self._reset_pub, self._prompt_pub)
+        pubs = (self._interrupt_pub, self._reset_pub, self._prompt_pub, self._joint_state_pub,
+                self._vector_pub)
         while time.monotonic() < deadline:
             if all(p.get_subscription_count() > 0 for p in pubs):
                 return True

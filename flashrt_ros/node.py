@@ -44,7 +44,8 @@ from builtin_interfaces.msg import Duration, Time
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from flashrt_ros.action import Generate
 from flashrt_ros.msg import ActionChunk, CapsuleEvent, CapsuleInfo, Interrupt, TokenChunk
-from flashrt_ros.runtime import BusyError, FlashRTError, Runtime, RuntimeConfig
+from flashrt_ros.runtime import BusyError, FlashRTError, InvalidRequestError, Runtime
+from flashrt_ros.runtime import RuntimeConfig
 from flashrt_ros.srv import DeleteCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
 from rcl_interfaces.msg import ParameterType, SetParametersResult
@@ -126,6 +127,33 @@ def _stamp(seconds):
     """Convert unix seconds (float) to builtin_interfaces/Time."""
     sec = int(seconds)
     return Time(sec=sec, nanosec=int((seconds - sec) * 1e9))
+
+
+def _duration(seconds):
+    """Convert seconds (float) to builtin_interfaces/Duration."""
+    sec = int(seconds)
+    return Duration(sec=sec, nanosec=int((seconds - sec) * 1e9))
+
+
+def _joint_state_vector(msg, names):
+    """
+    Return the observation vector named by `names` ('<joint>/position|velocity|effort').
+
+    Raise ValueError naming what is missing.
+    """
+    if not names:
+        raise ValueError('the policy declares no observation_names, so a JointState cannot be '
+                         'mapped; publish the raw vector on ~/observation_vector')
+    index = {joint: i for i, joint in enumerate(msg.name)}
+    values = []
+    for name in names:
+        joint, _, field = name.rpartition('/')
+        data = getattr(msg, field, None) if field in ('position', 'velocity', 'effort') else None
+        if data is None or joint not in index or index[joint] >= len(data):
+            raise ValueError(f'JointState has no {field or "value"} for {joint or name!r} '
+                             f'(the policy needs {list(names)})')
+        values.append(float(data[index[joint]]))
+    return values
 
 
 def _info_msg(info):
@@ -268,7 +296,8 @@ class FlashRTNode(LifecycleNode):
                 'Name of the capsule taken at activation (system prompt prefilled); '
                 '~/reset and the restore_home policy restore it.')),
             ('system_prompt', 'You are a helpful robot.', _descriptor(
-                'Text prefilled at activation before the home capsule is taken (may be empty).')),
+                'Text prefilled at activation before the home capsule is taken (may be empty; '
+                'ignored in policy mode).')),
             ('interrupt_policy', 'stop', _descriptor(
                 'What an interrupt (or a goal cancel) does after stopping at the step '
                 'boundary: stop (keep that state), rollback (one committed boundary back) or '
@@ -646,6 +675,9 @@ class FlashRTNode(LifecycleNode):
             self.get_logger().warning(f'{operation} ignored: {self._not_active_message()}')
             return
         name, tier, nbytes, success = '', '', 0, True
+        # Observations received before this message belong to the interrupted episode.
+        self._interrupted_at = max(self._interrupted_at, received)
+        self._latest_observation = None
         with self._generation_stopped() as stopped:
             try:
                 if not stopped:
@@ -664,6 +696,10 @@ class FlashRTNode(LifecycleNode):
                 else:
                     raise FlashRTError(f'interrupt mode {mode} is not valid; use 0 (POLICY), '
                                        '1 (STOP), 2 (ROLLBACK) or 3 (RESTORE)')
+                if self._runtime.is_policy:
+                    # After the restore: a restored capsule may hold an older chunk's queue.
+                    self._runtime.drop_actions()
+                    message += '; action queue dropped'
             except Exception as exc:
                 success, message = False, f'{operation} failed: {exc}'
                 self.get_logger().warning(message)
@@ -672,6 +708,105 @@ class FlashRTNode(LifecycleNode):
             message += f' (reason: {reason})'
         self._publish_event(operation, name or capsule, tier, nbytes, latency_ms, success,
                             message)
+
+    # ---- policy mode: observations in, actions out --------------------------------------
+
+    def _policy_runtime(self):
+        """Return the runtime when the node is active in policy mode, else None (and warn)."""
+        rt = self._runtime
+        if self._active and rt is not None and rt.is_policy:
+            return rt
+        reason = self._not_active_message() if not self._active else 'the node runs mode lm'
+        self.get_logger().warning(f'observation ignored: {reason}', throttle_duration_sec=5.0)
+        return None
+
+    def _joint_state_callback(self, msg, msg_info):
+        """Build the observation vector from a JointState by the policy's observation_names."""
+        rt = self._policy_runtime()
+        if rt is None:
+            return
+        try:
+            values = _joint_state_vector(msg, rt.policy_spec.observation_names)
+        except ValueError as exc:
+            self._reject_observation(str(exc))
+            return
+        self._observe(rt, values, msg_info)
+
+    def _vector_callback(self, msg, msg_info):
+        """Take a Float32MultiArray as the raw observation vector."""
+        rt = self._policy_runtime()
+        if rt is not None:
+            self._observe(rt, list(msg.data), msg_info)
+
+    def _observe(self, rt, values, msg_info):
+        if self._received_time(msg_info) <= self._interrupted_at:
+            return  # sent before the last interrupt/reset: it belongs to the stopped episode
+        if self._control_timer is None:
+            self._control_step(rt, values)
+            return
+        try:
+            rt.check_observation(values)
+        except FlashRTError as exc:
+            self._reject_observation(str(exc))
+            return
+        self._latest_observation = values
+
+    def _control_step(self, rt, values):
+        """Fold one observation in (a committed boundary); observation stepping publishes."""
+        try:
+            chunk = rt.act(values)
+        except InvalidRequestError as exc:  # bad input, refused before the state was touched
+            self._reject_observation(str(exc))
+            return
+        except Exception as exc:  # the model failed mid-step: report it and keep serving
+            message = f'control step failed: {exc!r}'
+            self.get_logger().error(message)
+            self._publish_event('observation', '', '', 0, 0.0, False, message)
+            return
+        if self._control_timer is None:
+            self._publish_actions(chunk.step, chunk.actions.tolist(), chunk.names)
+
+    def _control_tick(self):
+        """Timer stepping: step on the newest observation, then publish one queued action."""
+        rt = self._runtime
+        if not self._active or rt is None:
+            return
+        values, self._latest_observation = self._latest_observation, None
+        if values is not None:
+            self._control_step(rt, values)
+        try:
+            action = rt.next_action()
+        except FlashRTError as exc:
+            self.get_logger().warning(f'control tick: {exc}', throttle_duration_sec=5.0)
+            return
+        if action is not None:
+            self._publish_actions(rt.position, [action.tolist()], rt.policy_spec.joint_names)
+
+    def _reject_observation(self, reason):
+        rt = self._runtime
+        message = f'observation rejected: {reason}; state unchanged at step {rt.position}'
+        self.get_logger().warning(message, throttle_duration_sec=1.0)
+        self._publish_event('observation', '', '', 0, 0.0, False, message)
+
+    def _publish_actions(self, step, rows, names):
+        """Publish action rows [[a_0..a_A-1], ...] as an ActionChunk (and a trajectory)."""
+        stamp = self.get_clock().now().to_msg()
+        msg = ActionChunk(step=int(step), horizon=len(rows), action_dim=len(rows[0]),
+                          actions=[float(a) for row in rows for a in row], names=list(names))
+        msg.header.stamp = stamp
+        self._actions_pub.publish(msg)
+        if self._trajectory_pub is None:
+            return
+        dt = 1.0 / self._param('control_rate')
+        field = self._param('trajectory_field')
+        trajectory = JointTrajectory(joint_names=list(names) or
+                                     [f'action_{i}' for i in range(len(rows[0]))])
+        trajectory.header.stamp = stamp
+        for i, row in enumerate(rows):
+            point = JointTrajectoryPoint(time_from_start=_duration((i + 1) * dt))
+            setattr(point, field, [float(a) for a in row])
+            trajectory.points.append(point)
+        self._trajectory_pub.publish(trajectory)
 
     # ---- generation: action, ~/prompt, generation thread --------------------------------
 
@@ -959,6 +1094,8 @@ class FlashRTNode(LifecycleNode):
                 values['p99_restore_ms'] = f'{stats.get("p99_restore_s", 0.0) * 1e3:.4f}'
                 values['decode_tokens_per_s'] = f'{stats.get("decode_tokens_per_s", 0.0):.1f}'
                 values['cuda_graph'] = stats.get('cuda_graph', False)
+                if 'control_step_s' in stats:
+                    values['control_step_ms'] = f'{stats["control_step_s"] * 1e3:.3f}'
                 if self._active:
                     status.level, status.message = DiagnosticStatus.OK, 'active'
                 else:

@@ -4,6 +4,7 @@ Launch one flashrt node with config/flashrt.yaml.
     ros2 launch flashrt_ros flashrt.launch.py
     ros2 launch flashrt_ros flashrt.launch.py model:=/models/qwen3.5-0.8b device:=cuda \
         dtype:=bfloat16 namespace:=arm log_level:=debug
+    ros2 launch flashrt_ros flashrt.launch.py mode:=policy model:=builtin:tiny-policy
 """
 
 import os
@@ -23,6 +24,8 @@ def generate_launch_description():
     arguments = [
         DeclareLaunchArgument('model', default_value='builtin:tiny-hybrid',
                               description='builtin:<id> or a local checkpoint directory'),
+        DeclareLaunchArgument('mode', default_value='lm',
+                              description='lm | policy (must match the model)'),
         DeclareLaunchArgument('device', default_value='cpu', description='cpu | cuda | cuda:N'),
         DeclareLaunchArgument('dtype', default_value='float32',
                               description='float32 | bfloat16 | float16'),
@@ -46,6 +49,7 @@ def generate_launch_description():
             {
                 # value_type=str: a model path or id must never be parsed as YAML
                 'model': ParameterValue(LaunchConfiguration('model'), value_type=str),
+                'mode': ParameterValue(LaunchConfiguration('mode'), value_type=str),
                 'device': ParameterValue(LaunchConfiguration('device'), value_type=str),
                 'dtype': ParameterValue(LaunchConfiguration('dtype'), value_type=str),
                 'autostart': ParameterValue(LaunchConfiguration('autostart'), value_type=bool),

@@ -12,4 +12,5 @@ export PYTHONDONTWRITEBYTECODE=1
 # Run from outside the source tree so `flashrt_ros` (with its generated msg/srv/action
 # modules) is imported from install/, not from the source folder.
 cd "${TMPDIR:-/tmp}"
-exec python -m flashrt_ros.demo "$@"
+# DEMO_MODULE=flashrt_ros.demo_policy (`make demo-policy`): the robot-policy session.
+exec python -m "${DEMO_MODULE:-flashrt_ros.demo}" "$@"

@@ -15,6 +15,8 @@ import time
 import traceback
 import warnings
 
+import torch
+
 from .common import device_info, Log, machine_info, model_info
 from .figures import (
     fig1_snapshot_restore,
@@ -52,6 +54,8 @@ def parse_args(argv=None):
                         'lengths are skipped, saying so (default 150, --quick 20)')
     p.add_argument('--only', default=','.join(FIGURES),
                    help='comma-separated figures to run (default all: %(default)s)')
+    p.add_argument('--threads', type=int,
+                   help='torch threads of this process (default: what torch picks)')
     p.add_argument('--node-model', default='builtin:tiny-hybrid',
                    help='model of the node process in fig5 (default %(default)s)')
     p.add_argument('--out', default='bench/results', help='directory of the JSON and tables')
@@ -114,6 +118,8 @@ def run_figure(key, rt, args, plan, log):
 def main(argv=None):
     args = parse_args(argv)
     warnings.filterwarnings('ignore', message='.*falling back to its reference PyTorch.*')
+    if args.threads:
+        torch.set_num_threads(args.threads)
     name = args.name or ('quick' if args.quick else args.device.split(':')[0])
     log = Log()
     workdir = tempfile.mkdtemp(prefix='flashrt_bench_')
@@ -130,7 +136,14 @@ def main(argv=None):
             results['model'] = model_info(rt)
         else:
             results['model'] = {'id': args.node_model, 'dtype': args.dtype}
-        results['figures'] = {key: run_figure(key, rt, args, plan, log) for key in args.only}
+        results['figures'] = {}
+        for key in args.only:
+            try:
+                results['figures'][key] = run_figure(key, rt, args, plan, log)
+            except KeyboardInterrupt:  # Ctrl-C or a timeout: keep what is measured so far
+                log(f'interrupted during {key}; writing the figures done so far')
+                results['interrupted_during'] = key
+                break
     finally:
         if rt is not None:
             rt.close()

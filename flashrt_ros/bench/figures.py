@@ -11,12 +11,13 @@ import os
 from flashrt_ros.runtime import Runtime
 from flashrt_ros.runtime.measure import (
     arena_decode_tps,
-    copy_s,
     dynamic_cache_decode_tps,
     first_token_s,
     hf_generate_decode_tps,
     prefill_layer_times,
+    raw_copy,
     restored_first_token_s,
+    sample_interleaved_s,
     sample_s,
     token_ids,
 )
@@ -104,8 +105,8 @@ def _cleanup(rt, prefix):
 # ---- figure 1 -------------------------------------------------------------------------
 
 
-def _raw_write_s(directory, nbytes, repeats):
-    """Write nbytes to a temp file, fsync, rename, fsync the directory: a bare atomic write."""
+def _raw_file_io(directory, nbytes, device):
+    """Functions that write nbytes atomically (temp file, fsync, rename) and read them back."""
     data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8).tobytes()
     path = os.path.join(directory, 'raw-copy.bin')
 
@@ -119,31 +120,23 @@ def _raw_write_s(directory, nbytes, repeats):
         os.fsync(fd)
         os.close(fd)
 
-    write()
-    return sample_s(write, repeats, torch.device('cpu')), path
-
-
-def _raw_read_s(path, device, repeats):
-    """Read a file into a tensor on `device`: the floor of a disk restore."""
     def read():
         torch.from_numpy(np.fromfile(path, dtype=np.uint8)).to(device)
 
-    read()
-    return sample_s(read, repeats, device)
+    write()
+    return write, read
 
 
-def _raw_baselines(rt, tier, nbytes, plan):
-    """Seconds of bare copies of nbytes in the snapshot and in the restore direction."""
-    dev, n = str(rt.device), plan.fast_repeats
+def _raw_copies(rt, tier, nbytes, plan):
+    """Bare copies of nbytes in the snapshot and the restore direction, and what they are."""
+    dev = rt.device
     if tier == 'device':
-        same = copy_s(nbytes, dev, dev, n)
-        return same, same, f'copy_ {rt.device.type} -> {rt.device.type}'
+        copy = raw_copy(nbytes, dev, dev)
+        return copy, copy, f'copy_ {dev.type} -> {dev.type}'
     if tier == 'host':
-        return (copy_s(nbytes, dev, 'cpu', n), copy_s(nbytes, 'cpu', dev, n),
-                f'copy_ {rt.device.type} <-> host memory')
-    write, path = _raw_write_s(plan.workdir, nbytes, n)
-    read = _raw_read_s(path, rt.device, n)
-    os.unlink(path)
+        return (raw_copy(nbytes, dev, 'cpu'), raw_copy(nbytes, 'cpu', dev),
+                f'copy_ {dev.type} <-> host memory')
+    write, read = _raw_file_io(plan.workdir, nbytes, dev)
     return write, read, 'file write+fsync+rename / file read (no checksum)'
 
 
@@ -157,11 +150,14 @@ def fig1_snapshot_restore(rt, plan, log):
         position = size
         for tier in TIERS:
             name = f'bench-f1-{tier}'
-            snap = sample_s(lambda: rt.snapshot(name, tier), plan.fast_repeats, rt.device)
-            rest = sample_s(lambda: rt.restore(name), plan.fast_repeats, rt.device)
+            rt.snapshot(name, tier)
             # Bytes the tier holds: the blob in memory, the file (blob + header) on disk.
             nbytes = next(i.nbytes for i in rt.list_capsules(tier) if i.name == name)
-            raw_snap, raw_rest, raw_what = _raw_baselines(rt, tier, nbytes, plan)
+            raw_snapshot, raw_restore, raw_what = _raw_copies(rt, tier, nbytes, plan)
+            # Ours and the raw copies take turns, so a noisy neighbour hits both alike.
+            snap, raw_snap, rest, raw_rest = sample_interleaved_s(
+                [lambda: rt.snapshot(name, tier), raw_snapshot, lambda: rt.restore(name),
+                 raw_restore], plan.fast_repeats, rt.device)
             rt.delete_capsule(name)
             row = {'position': size, 'tier': tier, 'bytes': nbytes, 'raw_copy': raw_what,
                    'snapshot_ms': _stats_ms(snap), 'restore_ms': _stats_ms(rest),

@@ -6,6 +6,7 @@ import matplotlib
 
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402 (the backend must be chosen first)
+from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 TIER_COLORS = {'device': 'tab:blue', 'host': 'tab:orange', 'disk': 'tab:green'}
 OURS, BASELINE, PAPER = 'tab:blue', 'tab:gray', 'tab:red'
@@ -16,6 +17,15 @@ def _err(stats):
     med = [s['median'] for s in stats]
     return med, [[m - s['p10'] for m, s in zip(med, stats)],
                  [s['p90'] - m for m, s in zip(med, stats)]]
+
+
+def _plain(ax, x=True, y=True):
+    """Label log axes 0.5, 2, 300 rather than 5x10^-1, 2x10^0, 3x10^2."""
+    fmt = FuncFormatter(lambda v, _: f'{v:g}')
+    for on, axis in ((x, ax.xaxis), (y, ax.yaxis)):
+        if on:
+            axis.set_major_formatter(fmt)
+            axis.set_minor_formatter(FuncFormatter(lambda v, _: ''))
 
 
 def _save(fig, path, subtitle):
@@ -45,6 +55,7 @@ def fig1(f, path, subtitle):
         ax.set_xlabel('state size (MiB)')
         ax.set_title(f'{op}: ours (solid) vs raw copy of the same bytes (dashed)', fontsize=10)
         ax.grid(True, which='both', alpha=0.3)
+        _plain(ax)
     axes[0].set_ylabel('latency (ms, median; bars p10-p90)')
     axes[1].legend(fontsize=7, ncol=2)
     return _save(fig, path, subtitle)
@@ -67,6 +78,7 @@ def fig2(f, path, subtitle):
     ax.set_ylabel('time to first token (ms)')
     ax.set_title('Time to first token', fontsize=10)
     ax.grid(True, which='both', alpha=0.3)
+    _plain(ax, x=False)
     ax.legend(fontsize=8)
     bx.plot(tokens, [r['speedup'] for r in rows], marker='o', color=OURS, label='ours')
     for t, s in zip(tokens, [r['speedup'] for r in rows]):
@@ -86,6 +98,7 @@ def fig2(f, path, subtitle):
     bx.set_ylabel('speedup (cold / restore)')
     bx.set_title('TTFT speedup of restoring a capsule', fontsize=10)
     bx.grid(True, which='both', alpha=0.3)
+    _plain(bx, x=False)
     bx.legend(fontsize=8)
     return _save(fig, path, subtitle)
 
@@ -115,8 +128,7 @@ def fig4(f, path, subtitle):
     colors = [OURS if k.startswith('arena') else BASELINE for k in names]
     ax.bar(names, med, yerr=err, capsize=4, color=colors)
     for i, m in enumerate(med):
-        ax.annotate(f'{m:.1f}', (i, m), textcoords='offset points', xytext=(0, 4),
-                    ha='center', fontsize=8)
+        ax.text(i, m / 2, f'{m:.1f}', ha='center', color='white', fontsize=10)
     ax.set_ylabel('decode tokens/s (median; bars p10-p90)')
     ax.set_title(f'Greedy decode, {f["steps"]} steps: arena engine vs DynamicCache',
                  fontsize=10)
@@ -127,26 +139,32 @@ def fig4(f, path, subtitle):
 def fig5(f, path, subtitle):
     """Service round-trips (bars) and the interrupt -> restored latency distribution."""
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
-    keys = [('trigger_round_trip_ms', 'bare Trigger\nround-trip'),
+    keys = [('trigger_round_trip_ms', 'bare Trigger\n(baseline)'),
+            ('trigger_mt_round_trip_ms', 'Trigger,\n6-thread exec.'),
             ('restore_round_trip_ms', '~/restore\nround-trip'),
             ('restore_minus_runtime_ms', '~/restore minus\nruntime restore'),
             ('runtime_restore_ms', 'runtime\nrestore')]
     med, err = _err([f[k] for k, _ in keys])
     ax.bar([label for _, label in keys], med, yerr=err, capsize=4,
-           color=[BASELINE, OURS, OURS, 'tab:cyan'])
+           color=[BASELINE, BASELINE, OURS, OURS, 'tab:cyan'])
     ax.set_ylabel('ms (median; bars p10-p90)')
-    ax.set_title(f'Service round-trips: node adds {f["node_added_ms"]:.3f} ms', fontsize=10)
+    ax.set_title(f'Service round-trips ({f["node_model"]}): node adds '
+                 f'{f["node_added_ms"]:.3f} ms', fontsize=10)
     ax.tick_params(axis='x', labelsize=8)
     ax.grid(True, axis='y', alpha=0.3)
-    for key, label, color in (('interrupt_node_samples_ms', 'node: receipt -> restored', OURS),
-                              ('interrupt_e2e_samples_ms', 'client: publish -> event', 'tab:purple')):
+    curves = (('interrupt_node_samples_ms', 'node: receipt -> restored', OURS),
+              ('interrupt_e2e_samples_ms', 'client: publish -> event', 'tab:purple'))
+    for key, label, color in curves:
         values = sorted(f[key])
         if values:
             bx.plot(values, [(i + 1) / len(values) for i in range(len(values))], color=color,
                     label=label)
     bx.axvline(f['interrupt_bound_ms'], color=PAPER, linestyle='--',
                label=f'bound: step + restore + 1 ms = {f["interrupt_bound_ms"]:.1f} ms')
-    bx.set_xlabel('interrupt -> restored (ms)')
+    bx.axhline(0.99, color='dimgray', linestyle=':', linewidth=1, label='p99')
+    bx.set_xscale('log')
+    _plain(bx, y=False)
+    bx.set_xlabel('interrupt -> restored (ms, log scale)')
     bx.set_ylabel('fraction of interrupts (CDF)')
     bx.set_title(f'{f["interrupts"]} interrupts during generation', fontsize=10)
     bx.grid(True, alpha=0.3)
@@ -164,19 +182,23 @@ def fig6(f, path, subtitle):
              'tab:orange'),
             ('+ rebuild: layers 0..last recurrent (needed)',
              [r['kv_prefix_path_ms'] for r in rows], BASELINE)]
-    fig, ax = plt.subplots(figsize=(9, 4.4))
+    fig, ax = plt.subplots(figsize=(12, 4.4))
     width = 0.8 / len(bars)
     for j, (label, values, color) in enumerate(bars):
         xs = [i + (j - (len(bars) - 1) / 2) * width for i in range(len(tokens))]
         ax.bar(xs, values, width, label=label, color=color)
+    for i, r in enumerate(rows):  # over the 'needed' bar: how much slower than a capsule
+        ax.annotate(f'{r["kv_prefix_vs_capsule"]:.0f}x', (i + 1.5 * width, r['kv_prefix_path_ms']),
+                    textcoords='offset points', xytext=(0, 3), ha='center', fontsize=8)
     ax.set_xticks(range(len(tokens)), [str(t) for t in tokens])
     ax.set_yscale('log')
+    _plain(ax, x=False)
     ax.set_xlabel('context length (tokens)')
     ax.set_ylabel('ms to a correct state (median)')
     ax.set_title('KV-only prefix caching must re-prefill the recurrent layers; a capsule '
                  'restores them', fontsize=10)
     ax.grid(True, axis='y', which='both', alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc='upper left', bbox_to_anchor=(1.01, 1.0))
     return _save(fig, path, subtitle)
 
 

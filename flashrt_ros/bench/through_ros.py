@@ -122,8 +122,10 @@ def _start_processes(plan, device):
     node = _Process([shutil.which('flashrt_node'), '--ros-args', '--params-file', params],
                     os.path.join(workdir, 'node.log'), workdir)
     server = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'trigger_server.py')
-    trigger = _Process([sys.executable, server], os.path.join(workdir, 'trigger.log'), workdir)
-    return node, trigger
+    triggers = [_Process([sys.executable, server] + flags,
+                         os.path.join(workdir, f'trigger{suffix}.log'), workdir)
+                for flags, suffix in (([], ''), (['--multi-threaded'], '_mt'))]
+    return node, triggers
 
 
 def _isolate():
@@ -183,47 +185,51 @@ class _BareClient:
         rclpy.try_shutdown(context=self.context)
 
 
-def _wait_ready(client, restore, trigger, node_proc):
-    """Wait for both servers and for the node to be active (its home capsule restores)."""
+def _wait_ready(client, services, node_proc):
+    """Wait for every server and for the node to be active (its home capsule restores)."""
     from flashrt_ros.srv import Restore
 
+    restore = services[0]
     deadline = time.monotonic() + START_TIMEOUT_S
-    for service in (restore, trigger):
-        if not service.wait_for_service(timeout_sec=START_TIMEOUT_S):
-            raise RuntimeError(f'{service.srv_name} never appeared; node log:\n'
-                               + node_proc.tail())
-    while time.monotonic() < deadline:
-        if node_proc.proc.poll() is not None:
-            break
+    while time.monotonic() < deadline and node_proc.proc.poll() is None:
+        if not all(s.wait_for_service(timeout_sec=0.2) for s in services):
+            continue
         _, response = client.call(restore, Restore.Request(name=HOME))
         if response.success:
             return
         time.sleep(0.2)
-    raise RuntimeError('the node did not become active; node log:\n' + node_proc.tail())
+    raise RuntimeError(f'the node did not become active (exit code {node_proc.proc.poll()}); '
+                       'node log:\n' + node_proc.tail())
 
 
-def _round_trips(client, restore, trigger, n, log):
+def _round_trips(client, restore, trigger, trigger_mt, n, log):
+    """Interleaved calls: bare Trigger, Trigger on a multi-threaded executor, ~/restore."""
     from flashrt_ros.srv import Restore
     from std_srvs.srv import Trigger
 
-    restore_rt, runtime, trigger_rt = [], [], []
+    restore_rt, runtime, trigger_rt, trigger_mt_rt = [], [], [], []
     for i in range(WARMUP_CALLS + n):
         t_trigger, _ = client.call(trigger, Trigger.Request())
+        t_trigger_mt, _ = client.call(trigger_mt, Trigger.Request())
         t_restore, response = client.call(restore, Restore.Request(name=HOME))
         if not response.success:
             raise RuntimeError(f'~/restore failed: {response.message}')
         if i >= WARMUP_CALLS:
             trigger_rt.append(t_trigger)
+            trigger_mt_rt.append(t_trigger_mt)
             restore_rt.append(t_restore)
             runtime.append(response.latency_ms / 1e3)
-    log(f'fig5 {n} restore and {n} Trigger round-trips done')
+    log(f'fig5 {n} round-trips of each service done')
     overhead = [r - s for r, s in zip(restore_rt, runtime)]
     result = {
         'restore_round_trip_ms': summarize(restore_rt, 1e3),
         'runtime_restore_ms': summarize(runtime, 1e3),
         'restore_minus_runtime_ms': summarize(overhead, 1e3),
         'trigger_round_trip_ms': summarize(trigger_rt, 1e3),
+        'trigger_mt_round_trip_ms': summarize(trigger_mt_rt, 1e3),
         'trigger_server': 'bare rclpy node, SingleThreadedExecutor, in its own process',
+        'trigger_mt_server': 'the same on a MultiThreadedExecutor(num_threads=6), like the '
+                             'flashrt node (not the target baseline; shows the executor cost)',
     }
     result['node_added_ms'] = (result['restore_minus_runtime_ms']['median']
                                - result['trigger_round_trip_ms']['median'])
@@ -323,22 +329,23 @@ def fig5_through_ros(plan, device, log):
     from std_srvs.srv import Trigger
 
     domain = _isolate()
-    node_proc, trigger_proc = _start_processes(plan, device)
+    node_proc, trigger_procs = _start_processes(plan, device)
     client = None
     try:
         client = _BareClient(domain)
-        restore = client.node.create_client(Restore, f'/{NODE}/restore')
-        trigger = client.node.create_client(Trigger, f'/{TRIGGER_NODE}/trigger')
-        log(f'fig5 waiting for the node ({plan.node_model}) and the Trigger server')
-        _wait_ready(client, restore, trigger, node_proc)
+        services = [client.node.create_client(Restore, f'/{NODE}/restore'),
+                    client.node.create_client(Trigger, f'/{TRIGGER_NODE}/trigger'),
+                    client.node.create_client(Trigger, f'/{TRIGGER_NODE}_mt/trigger')]
+        log(f'fig5 waiting for the node ({plan.node_model}) and the Trigger servers')
+        _wait_ready(client, services, node_proc)
         result = {'title': 'Through ROS: service round-trips and interrupt -> restored',
                   'node_model': plan.node_model, 'ros_domain_id': domain}
-        result.update(_round_trips(client, restore, trigger, plan.round_trips, log))
+        result.update(_round_trips(client, *services, plan.round_trips, log))
         result.update(_interrupts(client, plan.interrupts, log))
     finally:
         if client is not None:
             client.close()
-        codes = {'node': node_proc.stop(), 'trigger_server': trigger_proc.stop(signal.SIGTERM)}
+        codes = [node_proc.stop()] + [p.stop(signal.SIGTERM) for p in trigger_procs]
     result['exit_codes'] = codes
     bound = (result['decode_step_ms']['median'] + result['runtime_restore_ms']['median'] + 1.0)
     result['interrupt_bound_ms'] = bound

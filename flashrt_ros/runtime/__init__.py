@@ -13,7 +13,7 @@ from .errors import (
     InvalidNameError,
     InvalidRequestError,
 )
-from .runtime import Generation, GenerationResult, Runtime, TokenEvent
+from .runtime import ActionChunk, Generation, GenerationResult, Runtime, TokenEvent
 
 __all__ = [
     'Runtime',
@@ -21,6 +21,7 @@ __all__ = [
     'CapsuleInfo',
     'GenerationResult',
     'TokenEvent',
+    'ActionChunk',
     'Generation',
     'FlashRTError',
     'InvalidNameError',

@@ -44,6 +44,19 @@ def sample_s(fn, repeats: int, device: torch.device) -> list[float]:
     return times
 
 
+def sample_interleaved_s(fns, repeats: int, device: torch.device) -> list[list[float]]:
+    """
+    Like sample_s for several functions, called in turn, so that all of them see the same noise.
+
+    Returns one list of seconds per function.
+    """
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, times):
+            out += sample_s(fn, 1, device)
+    return times
+
+
 def _timed_s(fn, repeats: int, device: torch.device) -> tuple[float, float]:
     """Return (best, median) seconds; noise on a shared machine only ever adds time."""
     times = sample_s(fn, repeats, device)
@@ -127,7 +140,7 @@ def hf_generate_decode_tps(model, ids: list[int], steps: int, device: torch.devi
     x = torch.tensor([ids], device=device)  # [1, T]
     model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
                    max_new_tokens=steps + 1, min_new_tokens=steps + 1,
-                   past_key_values=DynamicCache(config=model.config), streamer=stamps,
+                   cache=DynamicCache(config=model.config), streamer=stamps,
                    pad_token_id=model.config.pad_token_id)
     tokens = stamps.times[1:]  # one stamp per generated token, the first after prefill
     return (len(tokens) - 1) / (tokens[-1] - tokens[0])
@@ -198,16 +211,15 @@ def ttft_restore_vs_prefill(rt: Runtime, prefix_tokens: int) -> dict:
     }
 
 
-def copy_s(nbytes: int, src: str, dst: str, repeats: int) -> list[float]:
-    """Seconds of `dst_buffer.copy_(src_buffer)` for nbytes between two devices (raw copy)."""
-    pin = 'cuda' in (torch.device(src).type, torch.device(dst).type)
+def raw_copy(nbytes: int, src, dst):
+    """Return a function doing `b.copy_(a)` of nbytes from device src to dst (the raw copy)."""
+    src, dst = torch.device(src), torch.device(dst)
+    pin = 'cuda' in (src.type, dst.type)  # host side pinned, as the host tier is on CUDA
     a = torch.empty(nbytes, dtype=torch.uint8, device=src,
-                    pin_memory=pin and torch.device(src).type == 'cpu').random_(0, 255)
-    b = torch.empty(nbytes, dtype=torch.uint8, device=dst,
-                    pin_memory=pin and torch.device(dst).type == 'cpu')
-    b.copy_(a)  # warm (page faults, first-touch)
-    device = torch.device(dst if torch.device(dst).type == 'cuda' else src)
-    return sample_s(lambda: b.copy_(a), repeats, device)
+                    pin_memory=pin and src.type == 'cpu').random_(0, 255)
+    b = torch.empty(nbytes, dtype=torch.uint8, device=dst, pin_memory=pin and dst.type == 'cpu')
+    b.copy_(a)  # first touch / page faults before any timing
+    return lambda: b.copy_(a)
 
 
 def prefill_layer_times(rt: Runtime, ids: list[int]) -> dict:

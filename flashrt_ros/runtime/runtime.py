@@ -615,6 +615,11 @@ class Runtime:
             return ActionChunk(self.position, actions, self.adapter.spec.joint_names,
                                self._last_step_s)
 
+    def check_observation(self, observation) -> torch.Tensor:
+        """Return the observation as float32 [T, obs_dim], or raise InvalidRequestError."""
+        self._require_mode(policy=True)
+        return self.engine.check(observation)
+
     def next_action(self) -> torch.Tensor | None:
         """Take the next not-yet-executed action [action_dim] of the chunk (None: empty)."""
         self._require_mode(policy=True)

@@ -5,7 +5,6 @@ import os
 import threading
 
 from node_harness import HOME
-import pytest
 
 
 def _names(response):

@@ -201,3 +201,13 @@ def test_a_user_module_gets_the_same_capsule_guarantees(make_runtime):
     rt.reset()
     assert rt.state_digest() == empty
     assert math.isclose(float(module.h.abs().sum()), 0.0)
+
+
+def test_measure_policy_returns_the_figures(tmp_path):
+    from flashrt_ros.runtime.measure_policy import measure_policy
+
+    r = measure_policy(lengths=(4, 8), repeats=2, stepwise_max=4, capsule_dir=str(tmp_path))
+    short, long = r['lengths']
+    assert short['length'] == 4 and short['same_actions'] and short['stepwise_speedup'] > 0
+    assert long['cold_stepwise_next_chunk_s'] is None and long['restore']['n'] == 2
+    assert long['control_step']['median_s'] > 0 and long['batched_speedup'] > 0

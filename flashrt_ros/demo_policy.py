@@ -1,0 +1,236 @@
+"""
+The `make demo-policy` session: execution-state capsules for a robot policy, over ROS 2.
+
+Starts the flashrt node in policy mode (builtin:tiny-policy, one control step per
+observation) and closes the loop with a simulated planar 2-link arm, integrated here in
+plain Python (deterministic): each step publishes the arm's JointState on ~/observation,
+waits for the ActionChunk on ~/actions and applies the chunk's first action (joint
+torques) for one control period. Then: snapshot at a decision point, try branch A, restore,
+try branch B (a push on the elbow), restore again and replay A (its actions must be equal
+bit for bit), roll back a few control steps, e-stop (the action queue is dropped), and
+~/reset to home. Prints a short report, stops the node by PID, exits 0 when every check holds.
+"""
+
+import argparse
+import math
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+
+from flashrt_ros.demo import _Report, _start, _wait_event  # the `make demo` helpers
+
+JOINTS = ('shoulder', 'elbow')
+DT = 0.05  # s per control step
+BRANCH_STEPS = 15
+
+
+class Arm:
+    """A horizontal planar 2-link arm (unit masses at the link ends, unit lengths, damped)."""
+
+    def __init__(self, q=(0.3, 0.6), dq=(0.0, 0.0)):
+        self.q, self.dq = list(q), list(dq)
+
+    def copy(self):
+        return Arm(self.q, self.dq)
+
+    def step(self, torque, substeps=5, damping=0.5):
+        """Integrate M(q) ddq + c(q, dq) + b dq = torque for DT (semi-implicit Euler)."""
+        h = DT / substeps
+        for _ in range(substeps):
+            c2, s2 = math.cos(self.q[1]), math.sin(self.q[1])
+            m11, m12, m22 = 3.0 + 2.0 * c2, 1.0 + c2, 1.0
+            coriolis = (-s2 * (2.0 * self.dq[0] * self.dq[1] + self.dq[1] ** 2),
+                        s2 * self.dq[0] ** 2)
+            f = [torque[i] - coriolis[i] - damping * self.dq[i] for i in range(2)]
+            det = m11 * m22 - m12 * m12
+            ddq = ((m22 * f[0] - m12 * f[1]) / det, (m11 * f[1] - m12 * f[0]) / det)
+            for i in range(2):
+                self.dq[i] += h * ddq[i]
+                self.q[i] += h * self.dq[i]
+
+    def tip(self):
+        """Return the end-effector (x, y)."""
+        a, b = self.q[0], self.q[0] + self.q[1]
+        return math.cos(a) + math.cos(b), math.sin(a) + math.sin(b)
+
+
+class Loop:
+    """The arm and the node in lock step: one observation out, one ActionChunk back."""
+
+    def __init__(self, client):
+        self.client = client
+        self.chunks = []
+        client.subscribe_actions(self.chunks.append)
+        time.sleep(0.3)
+
+    def observe(self, q, dq, timeout=10.0):
+        """Publish one JointState; return the ActionChunk of the control step it caused."""
+        start = len(self.chunks)
+        self.client.publish_joint_state(JOINTS, q, dq)
+        deadline = time.monotonic() + timeout
+        while len(self.chunks) == start:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f'no ActionChunk within {timeout} s; see the node log')
+            time.sleep(0.001)
+        return self.chunks[start]
+
+    def step(self, arm):
+        """Run one control step; return the chunk's actions (a tuple of float32 values)."""
+        chunk = self.observe(arm.q, arm.dq)
+        arm.step(chunk.actions[:chunk.action_dim])  # execute the first action of the chunk
+        return tuple(chunk.actions)
+
+    def run(self, arm, steps):
+        return [self.step(arm) for _ in range(steps)]
+
+
+def _tip(arm):
+    x, y = arm.tip()
+    return f'({x:+.3f}, {y:+.3f})'
+
+
+def _run_session(client, report, events):
+    from flashrt_ros.msg import Interrupt
+
+    loop = Loop(client)
+    report.section('Home capsule (empty policy state, taken at activation)')
+    home = {c.name: c for c in client.list_capsules().capsules}['home']
+    home_digest = client.state_digest()
+    report.line(f'home: step {home.position}, {home.size_bytes} bytes on {home.tier}, '
+                f'components {", ".join(home.components)}')
+
+    report.section('Close the loop: arm -> ~/observation -> policy -> ~/actions -> arm')
+    arm = Arm()
+    t0 = time.perf_counter()
+    history = [(list(arm.q), list(arm.dq))]
+    for _ in range(20):
+        loop.step(arm)
+        history.append((list(arm.q), list(arm.dq)))
+    history.pop()  # the observations the policy has seen
+    loop_ms = (time.perf_counter() - t0) / 20 * 1e3
+    report.line(f'20 control steps, {loop_ms:.1f} ms per round trip over DDS; tip now '
+                f'{_tip(arm)}')
+
+    report.section('Decision point: snapshot the policy state (the demo keeps the arm state)')
+    snap = client.snapshot('decision')
+    decision_arm, decision_digest = arm.copy(), client.state_digest()
+    report.line(f'snapshot decision: step {snap.capsule.position}, {snap.capsule.size_bytes} '
+                f'bytes, {snap.latency_ms:.3f} ms')
+    report.check(snap.success, 'snapshot taken at a committed control step')
+
+    report.section(f'Branch A: {BRANCH_STEPS} steps as is')
+    arm = decision_arm.copy()
+    arms_a = []
+    branch_a = []
+    for _ in range(BRANCH_STEPS):
+        arms_a.append(arm.copy())
+        branch_a.append(loop.step(arm))
+    tip_a, digest_a = _tip(arm), client.state_digest()
+    report.line(f'tip after A: {tip_a}')
+
+    report.section('Restore `decision`; branch B: the elbow gets a push')
+    restore = client.restore('decision')
+    report.check(restore.success and client.state_digest() == decision_digest,
+                 f'restored in {restore.latency_ms:.3f} ms, state byte-identical to the '
+                 'snapshot')
+    arm = decision_arm.copy()
+    arm.dq[1] += 2.0
+    branch_b = loop.run(arm, BRANCH_STEPS)
+    report.line(f'tip after B: {_tip(arm)}')
+    report.check(branch_b != branch_a, 'branch B acts differently from branch A')
+
+    report.section('Restore `decision` again and replay A')
+    restore = client.restore('decision')
+    arm = decision_arm.copy()
+    replay = loop.run(arm, BRANCH_STEPS)
+    same = sum(x == y for x, y in zip(replay, branch_a))
+    report.check(replay == branch_a, f'replayed actions equal A bit for bit ({same}/'
+                 f'{BRANCH_STEPS} chunks x 16 floats, RNG noise included)')
+    report.check(client.state_digest() == digest_a and _tip(arm) == tip_a,
+                 'policy state digest and arm position equal the end of A')
+
+    report.section('Roll back 5 control steps and redo them')
+    rolled = client.rollback(5)
+    redo = loop.run(arms_a[-5].copy(), 5)
+    report.check(rolled.success and redo == branch_a[-5:],
+                 f'rollback to step {rolled.position} in {rolled.latency_ms:.3f} ms; the '
+                 'redone steps equal A')
+
+    report.section('The cold alternative: re-run the observation history from home')
+    assert client.restore('home').success
+    t0 = time.perf_counter()
+    for q, dq in history:
+        loop.observe(q, dq)
+    cold_ms = (time.perf_counter() - t0) * 1e3
+    report.check(client.state_digest() == decision_digest,
+                 'replaying the history reaches the same state as the snapshot')
+    report.line(f'restore decision: {restore.latency_ms:.3f} ms | re-run {len(history)} '
+                f'observations: {cold_ms:.1f} ms (grows with the episode; the restore does not)')
+
+    report.section('E-stop: interrupt drops the action queue')
+    start = len(events)
+    client.interrupt(mode=Interrupt.STOP, reason='e-stop')
+    event = _wait_event(events, start, 'interrupt')
+    report.check(event is not None and event.success and 'queue dropped' in event.message,
+                 f'interrupt event: {event.message if event else "none"} '
+                 f'({event.latency_ms if event else 0:.2f} ms from receipt)')
+
+    report.section('~/reset at the episode boundary')
+    client.reset()
+    deadline = time.monotonic() + 5.0
+    while client.state_digest() != home_digest and time.monotonic() < deadline:
+        time.sleep(0.02)
+    report.check(client.state_digest() == home_digest, 'back to home, byte for byte')
+
+
+def main(argv=None):
+    """Run the policy demo; return 0 when every check passed."""
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument('--model', default='builtin:tiny-policy')
+    parser.add_argument('--device', default='cpu')
+    parser.add_argument('--keep', action='store_true', help='keep the work directory')
+    args = parser.parse_args(argv)
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+    workdir = tempfile.mkdtemp(prefix='flashrt_demo_policy_')
+    params = {'mode': 'policy', 'model': args.model, 'device': args.device,
+              'max_seq_len': 1024, 'capsule_dir': os.path.join(workdir, 'capsules'),
+              'interrupt_policy': 'stop'}
+    report = _Report()
+    print(f'flashrt_ros policy demo: model {args.model} on {args.device}'
+          + (' (random weights: the arm does not reach for anything; the state handling '
+             'is real)' if args.model.startswith('builtin:') else ''), flush=True)
+    node = client = None
+    try:
+        node, client = _start(workdir, params, report, 'started')
+        events = []
+        client.subscribe_events(events.append)
+        time.sleep(0.3)
+        _run_session(client, report, events)
+    except Exception as exc:
+        report.failures.append(repr(exc))
+        print(f'\nerror: {exc}', file=sys.stderr)
+    finally:
+        if client is not None:
+            client.close()
+        if node is not None:
+            node.stop()
+        if args.keep:
+            print(f'work directory kept: {workdir}')
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    if report.failures:
+        print(f'\n{len(report.failures)} check(s) failed: ' + '; '.join(report.failures))
+        return 1
+    print('\nall checks passed')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

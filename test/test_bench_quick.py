@@ -1,0 +1,50 @@
+"""Smoke test of the benchmark suite: a tiny subset runs and writes a well-formed result."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAT_KEYS = {'median', 'p10', 'p90', 'n'}
+
+
+def test_bench_quick_subset_writes_schema_and_correctness(tmp_path):
+    env = dict(os.environ)
+    # The installed package first (when env.sh is sourced), the source tree as a fallback.
+    env['PYTHONPATH'] = os.pathsep.join(p for p in (env.get('PYTHONPATH'), ROOT) if p)
+    cmd = [sys.executable, '-m', 'flashrt_ros.bench', '--quick', '--only', 'fig1,fig3',
+           '--model', 'builtin:tiny-hybrid', '--lengths', '128', '256', '--repeats', '1',
+           '--out', str(tmp_path), '--name', 'smoke']
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    with open(tmp_path / 'smoke.json') as f:
+        data = json.load(f)
+    assert {'machine', 'device', 'model', 'plan', 'figures'} <= set(data)
+    assert data['machine']['torch'] and data['machine']['transformers']
+    assert data['device']['type'] == 'cpu'
+    assert data['model']['id'] == 'builtin:tiny-hybrid' and data['model']['parameters'] > 0
+    assert list(data['figures']) == ['fig1', 'fig3']
+
+    fig1 = data['figures']['fig1']
+    assert {r['tier'] for r in fig1['rows']} == {'device', 'host', 'disk'}
+    assert {r['position'] for r in fig1['rows']} == {64, 128, 256}
+    for row in fig1['rows']:
+        assert row['bytes'] > 0
+        for key in ('snapshot_ms', 'restore_ms', 'raw_snapshot_ms', 'raw_restore_ms'):
+            assert set(row[key]) == STAT_KEYS and row[key]['n'] >= 1
+        assert row['restore_vs_raw'] is not None and row['snapshot_vs_raw'] is not None
+
+    fig3 = data['figures']['fig3']
+    assert fig3['state_advanced_by_decode'] is True
+    for tier in ('device', 'host', 'disk'):
+        assert fig3['tiers'][tier]['byte_exact'] is True, tier
+        assert fig3['tiers'][tier]['token_identical'] is True, tier
+    assert fig3['kv_only']['diverged'] is True
+    assert isinstance(fig3['kv_only']['first_diverging_step'], int)
+    assert fig3['passed'] is True
+
+    assert (tmp_path / 'smoke-fig1.png').is_file() and (tmp_path / 'smoke-fig3.png').is_file()
+    assert (tmp_path / 'smoke.md').is_file()
