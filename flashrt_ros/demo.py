@@ -13,10 +13,11 @@ import argparse
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
+
+from flashrt_ros.node_process import NodeProcess
 
 SYSTEM_PROMPT = 'You are a helpful robot. Keep answers short.'
 QUESTION = 'User: where is the red cup?\nRobot:'
@@ -50,51 +51,18 @@ def _shown(text, limit=60):
     return '"' + shown[:limit] + ('...' if len(shown) > limit else '') + '"'
 
 
-class _NodeProcess:
-    """The flashrt node in its own process, stopped by PID."""
-
-    def __init__(self, workdir, params):
-        os.makedirs(workdir, exist_ok=True)
-        params_file = os.path.join(workdir, 'flashrt_demo.yaml')
-        with open(params_file, 'w') as f:
-            f.write('/**:\n  ros__parameters:\n')
-            for key, value in params.items():
-                f.write(f'    {key}: {value!r}\n' if isinstance(value, str)
-                        else f'    {key}: {value}\n')
-        exe = shutil.which('flashrt_node')
-        cmd = [exe] if exe else [sys.executable, '-m', 'flashrt_ros']
-        self.log_path = os.path.join(workdir, 'node.log')
-        self._log = open(self.log_path, 'a')
-        # cwd outside the source tree: `flashrt_ros` must import from the installed package.
-        self.proc = subprocess.Popen(cmd + ['--ros-args', '--params-file', params_file],
-                                     stdout=self._log, stderr=subprocess.STDOUT, cwd=workdir)
-
-    def stop(self, timeout=30.0):
-        """SIGINT, then SIGKILL after timeout; return the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-        return self.proc.returncode
-
-
 def _start(workdir, params, report, label):
     from flashrt_ros.client import FlashRTClient
     t0 = time.monotonic()
-    node = _NodeProcess(workdir, params)
+    node = NodeProcess(workdir, params)
     client = FlashRTClient('flashrt', timeout=30.0)
     if not client.wait_until_active(timeout=180.0):
         client.close()
         code = node.stop()
-        with open(node.log_path) as f:
-            tail = f.read()[-3000:]
+        tail = node.log()[-3000:]
         raise RuntimeError(f'the node did not become active (exit code {code}); log:\n{tail}')
     client.wait_for_subscribers(10.0)
-    report.line(f'{label}: node pid {node.proc.pid} active in {time.monotonic() - t0:.1f} s')
+    report.line(f'{label}: node pid {node.pid} active in {time.monotonic() - t0:.1f} s')
     return node, client
 
 

@@ -9,7 +9,8 @@ import importlib.util
 import shutil
 import time
 
-from node_harness import EventLog, HOME, NODE_A_PARAMS, NodeProcess
+from flashrt_ros.node_process import NodeProcess
+from node_harness import EventLog, HOME, NODE_A_PARAMS
 from node_harness import start_client, wait_active
 import pytest
 

@@ -1,13 +1,8 @@
-"""Helpers of the node tests: the installed flashrt_node as a process, clients, events."""
+"""Helpers of the node tests: clients, activation waits and the event log."""
 
-import os
-import shutil
-import signal
-import subprocess
 import time
 
 import pytest
-import yaml
 
 HOME = 'home'
 NODE_A_PARAMS = {
@@ -20,43 +15,6 @@ NODE_A_PARAMS = {
     'diagnostics_period': 0.5,
     'system_prompt': 'You are a helpful robot.',
 }
-
-
-class NodeProcess:
-    """The installed flashrt_node executable running in its own process."""
-
-    def __init__(self, workdir, params, name='flashrt'):
-        self.name = name
-        os.makedirs(workdir, exist_ok=True)
-        params_file = os.path.join(workdir, f'{name}.yaml')
-        with open(params_file, 'w') as f:
-            # '/**' matches this process's node whatever its name: the file is passed to it alone.
-            yaml.safe_dump({'/**': {'ros__parameters': params}}, f)
-        self.log_path = os.path.join(workdir, f'{name}.log')
-        cmd = [shutil.which('flashrt_node'), '--ros-args', '--params-file', params_file]
-        if name != 'flashrt':
-            cmd += ['-r', f'__node:={name}']
-        self._log = open(self.log_path, 'w')
-        # cwd outside the source tree, so `flashrt_ros` imports from the installed package.
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     cwd=workdir)
-
-    def stop(self, sig=signal.SIGINT, timeout=30.0):
-        """Send `sig`, wait for the exit and return the exit code (kill after timeout)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-        return self.proc.returncode
-
-    def log(self):
-        """Return what the node printed so far."""
-        with open(self.log_path) as f:
-            return f.read()
 
 
 def start_client(node='flashrt', timeout=20.0):

@@ -4,7 +4,8 @@ import math
 import time
 
 from flashrt_ros.msg import Interrupt
-from node_harness import EventLog, HOME, NodeProcess, start_client, wait_active
+from flashrt_ros.node_process import NodeProcess
+from node_harness import EventLog, HOME, start_client, wait_active
 import pytest
 from trajectory_msgs.msg import JointTrajectory
 

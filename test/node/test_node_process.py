@@ -5,7 +5,8 @@ import signal
 import time
 
 from action_msgs.msg import GoalStatus
-from node_harness import HOME, NodeProcess, start_client, wait_active
+from flashrt_ros.node_process import NodeProcess
+from node_harness import HOME, start_client, wait_active
 import pytest
 
 B_PARAMS = {
