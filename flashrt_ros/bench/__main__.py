@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from .common import device_info, Log, machine_info, model_info
+from .common import cpu_sample, cpu_usage, device_info, Log, machine_info, model_info
 from .figures import (
     fig1_snapshot_restore,
     fig2_ttft,
@@ -96,7 +96,7 @@ def build_runtime(args, plan):
 
 def run_figure(key, rt, args, plan, log):
     """Run one figure; an exception is recorded in its result, never raised."""
-    t0 = time.monotonic()
+    before = cpu_sample()
     log(f'{key} ...')
     try:
         if key == 'fig5':
@@ -110,8 +110,10 @@ def run_figure(key, rt, args, plan, log):
         log(f'{key} FAILED: {result["error"]}')
         if rt is not None and not rt.generating:
             rt.reset()
-    result['elapsed_s'] = time.monotonic() - t0
-    log(f'{key} done in {result["elapsed_s"]:.1f} s')
+    after = cpu_sample()
+    result['elapsed_s'] = after[0] - before[0]
+    result['cpu'] = cpu_usage(before, after)
+    log(f'{key} done in {result["elapsed_s"]:.1f} s; CPU: {result["cpu"]}')
     return result
 
 

@@ -52,6 +52,30 @@ class Log:
         return time.monotonic() - self.t0
 
 
+def cpu_sample():
+    """Return (wall s, CPU s of this process and its waited-for children, /proc/stat cpu row)."""
+    try:
+        with open('/proc/stat') as f:
+            jiffies = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        jiffies = []
+    t = os.times()
+    return time.monotonic(), t.user + t.system + t.children_user + t.children_system, jiffies
+
+
+def cpu_usage(start, end):
+    """Say how busy the machine was between two cpu_sample()s, and how much of it was us."""
+    wall = max(end[0] - start[0], 1e-9)
+    ours = 100.0 * (end[1] - start[1]) / (wall * (os.cpu_count() or 1))
+    usage = {'this_run_pct': round(ours, 1)}
+    d = [b - a for a, b in zip(start[2], end[2])]
+    if len(d) == 8 and sum(d) > 0:  # user nice system idle iowait irq softirq steal
+        busy = 100.0 * (sum(d) - d[3] - d[4]) / sum(d)
+        usage.update(machine_busy_pct=round(busy, 1), others_pct=round(max(0.0, busy - ours), 1),
+                     steal_pct=round(100.0 * d[7] / sum(d), 1))
+    return usage
+
+
 def _version(dist):
     try:
         return importlib.metadata.version(dist)
@@ -73,7 +97,7 @@ def _cpu_model():
 def _git_commit():
     here = os.path.dirname(os.path.abspath(__file__))
     try:
-        out = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=here,
+        out = subprocess.run(['git', 'describe', '--always', '--dirty', '--abbrev=7'], cwd=here,
                              capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.TimeoutExpired):
         return None

@@ -96,6 +96,9 @@ def fig2(f, path, subtitle):
     bx.set_xticks(ticks, [f'{t // 1024}k' if t >= 1024 else str(t) for t in ticks])
     bx.set_xlabel('context length (tokens)')
     bx.set_ylabel('speedup (cold / restore)')
+    low = min([r['speedup'] for r in rows] + [p[1] for p in paper])
+    high = max([r['speedup'] for r in rows] + [p[1] for p in paper])
+    bx.set_ylim(low / 2, high * 2)  # room for the labels above and below the points
     bx.set_title('TTFT speedup of restoring a capsule', fontsize=10)
     bx.grid(True, which='both', alpha=0.3)
     _plain(bx, x=False)
@@ -208,12 +211,13 @@ PLOTS = {'fig1': fig1, 'fig2': fig2, 'fig3': fig3, 'fig4': fig4, 'fig5': fig5, '
 def plot_all(results, directory, name):
     """Write one PNG per figure that has results; return {figure: path}."""
     os.makedirs(directory, exist_ok=True)
-    subtitle = (f'{results["model"]["id"]} ({results["model"]["dtype"]}) on '
-                f'{results["device"]["name"]}; flashrt_ros bench "{name}"')
     paths = {}
     for key, fig in results['figures'].items():
         has_data = fig.get('rows') or fig.get('tiers') or fig.get('tokens_per_s') \
             or 'node_added_ms' in fig
         if key in PLOTS and has_data:
+            model = fig.get('node_model', results['model']['id'])
+            subtitle = (f'{model} ({results["model"]["dtype"]}) on {results["device"]["name"]}; '
+                        f'flashrt_ros bench "{name}"')
             paths[key] = PLOTS[key](fig, os.path.join(directory, f'{name}-{key}.png'), subtitle)
     return paths

@@ -19,13 +19,14 @@ def _yes(flag):
 
 def _fig1(f):
     header = ['position', 'tier', 'MiB', 'snapshot ms', 'raw ms', 'x raw', 'restore ms',
-              'raw ms', 'x raw', 'restore GB/s', 'raw GB/s', 'n']
+              'raw ms', 'x raw', 'restore GB/s', 'raw GB/s', '1st restore ms', 'n']
     rows = [[r['position'], r['tier'], f'{r["bytes"] / 2**20:.2f}',
              _num(r['snapshot_ms']['median'], '.3f'), _num(r['raw_snapshot_ms']['median'], '.3f'),
              _num(r['snapshot_vs_raw']), _num(r['restore_ms']['median'], '.3f'),
              _num(r['raw_restore_ms']['median'], '.3f'), _num(r['restore_vs_raw']),
              _num(r['restore_mb_per_s'] / 1e3), _num(r['raw_restore_mb_per_s'] / 1e3),
-             r['restore_ms']['n']] for r in f['rows']]
+             _num(r['first_restore_ms']['median'], '.3f'), r['restore_ms']['n']]
+            for r in f['rows']]
     return header, rows
 
 
@@ -140,6 +141,11 @@ def sections(results):
     """Yield (title, header, rows, notes) for every figure that has results, then targets."""
     for key, fig in results['figures'].items():
         notes = list(fig.get('skipped', [])) + ([fig['error']] if 'error' in fig else [])
+        cpu = fig.get('cpu', {})
+        if 'machine_busy_pct' in cpu:
+            notes.append(f'{fig["elapsed_s"]:.0f} s; CPU meanwhile: machine '
+                         f'{cpu["machine_busy_pct"]}% busy, this run {cpu["this_run_pct"]}%, '
+                         f'others {cpu["others_pct"]}%, steal {cpu["steal_pct"]}%')
         if key in TABLES and (fig.get('rows') or fig.get('tiers') or fig.get('tokens_per_s')
                               or 'node_added_ms' in fig):
             header, rows = TABLES[key](fig)

@@ -33,6 +33,7 @@ START_TIMEOUT_S = 180.0
 CALL_TIMEOUT_S = 10.0
 WARMUP_CALLS = 20
 WARMUP_TOKENS = 16
+DISCOVERY_S = 1.0  # enough for localhost discovery to list the nodes of a domain
 
 
 def ros_missing():
@@ -128,11 +129,31 @@ def _start_processes(plan, device):
     return node, triggers
 
 
-def _isolate():
-    """Use a private DDS domain on localhost (children inherit it)."""
-    os.environ.setdefault('ROS_DOMAIN_ID', str(os.getpid() % 100 + 1))
+def _domain_has_node(domain, name):
+    import rclpy
+    from rclpy.context import Context
+
+    context = Context()
+    rclpy.init(context=context, domain_id=domain)
+    try:
+        probe = rclpy.create_node(f'flashrt_bench_probe_{os.getpid()}', context=context)
+        time.sleep(DISCOVERY_S)
+        return name in probe.get_node_names()
+    finally:
+        rclpy.try_shutdown(context=context)
+
+
+def _isolate(log):
+    """Pick a localhost DDS domain where no other flashrt node runs (children inherit it)."""
     os.environ.setdefault('ROS_AUTOMATIC_DISCOVERY_RANGE', 'LOCALHOST')
-    return int(os.environ['ROS_DOMAIN_ID'])
+    first = int(os.environ.get('ROS_DOMAIN_ID', os.getpid() % 100 + 1))
+    for k in range(10):
+        domain = (first - 1 + k) % 100 + 1
+        if not _domain_has_node(domain, NODE):
+            break
+        log(f'fig5 DDS domain {domain} already has a /{NODE} node; trying the next one')
+    os.environ['ROS_DOMAIN_ID'] = str(domain)
+    return domain
 
 
 class _BareClient:
@@ -302,6 +323,8 @@ def _interrupts(client, n, log):
         failed += not event.success
         if (i + 1) % 50 == 0:
             log(f'fig5 {i + 1}/{n} interrupts')
+    if not e2e:
+        raise RuntimeError(f'none of {n} interrupts got an answer on ~/events')
     steps = _step_seconds(tokens.items)
     return {
         'interrupts': n,
@@ -328,7 +351,7 @@ def fig5_through_ros(plan, device, log):
     from flashrt_ros.srv import Restore
     from std_srvs.srv import Trigger
 
-    domain = _isolate()
+    domain = _isolate(log)
     node_proc, trigger_procs = _start_processes(plan, device)
     client = None
     try:
