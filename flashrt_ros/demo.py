@@ -171,10 +171,15 @@ def _restart_and_restore(node, client, workdir, params, report, session_digest, 
     return node, client
 
 
-def main(argv=None):
-    """Run the demo; return 0 when every check passed."""
-    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    parser.add_argument('--model', default='builtin:tiny-hybrid')
+def run_demo(argv, *, doc, title, default_model, params, random_note, session):
+    """
+    Parse the common options, start the node, run `session`, stop everything; return 0/1.
+
+    `session(node, client, workdir, params, report, events)` returns the (node, client) pair
+    that is live when it ends (a session may restart the node).
+    """
+    parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
+    parser.add_argument('--model', default=default_model)
     parser.add_argument('--device', default='cpu')
     parser.add_argument('--keep', action='store_true', help='keep the work directory')
     args = parser.parse_args(argv)
@@ -184,22 +189,18 @@ def main(argv=None):
 
     signal.signal(signal.SIGTERM, terminate)
     workdir = tempfile.mkdtemp(prefix='flashrt_demo_')
-    params = {'model': args.model, 'device': args.device, 'max_seq_len': 1024,
-              'capsule_dir': os.path.join(workdir, 'capsules'), 'system_prompt': SYSTEM_PROMPT,
-              'interrupt_policy': 'stop'}
+    params = dict(params, model=args.model, device=args.device,
+                  capsule_dir=os.path.join(workdir, 'capsules'))
     report = _Report()
-    print(f'flashrt_ros demo: model {args.model} on {args.device}'
-          + (' (random weights: the text is not meaningful; the state handling is real)'
-             if args.model.startswith('builtin:') else ''), flush=True)
+    print(f'flashrt_ros {title}: model {args.model} on {args.device}'
+          + (f' ({random_note})' if args.model.startswith('builtin:') else ''), flush=True)
     node = client = None
     try:
         node, client = _start(workdir, params, report, 'started')
         events = []
         client.subscribe_events(events.append)
         time.sleep(0.3)
-        digest, reference = _run_session(client, report, events)
-        node, client = _restart_and_restore(node, client, workdir, params, report, digest,
-                                            reference)
+        node, client = session(node, client, workdir, params, report, events)
     except Exception as exc:
         report.failures.append(repr(exc))
         print(f'\nerror: {exc}', file=sys.stderr)
@@ -217,6 +218,21 @@ def main(argv=None):
         return 1
     print('\nall checks passed')
     return 0
+
+
+def _lm_session(node, client, workdir, params, report, events):
+    digest, reference = _run_session(client, report, events)
+    return _restart_and_restore(node, client, workdir, params, report, digest, reference)
+
+
+def main(argv=None):
+    """Run the demo; return 0 when every check passed."""
+    return run_demo(argv, doc=__doc__, title='demo', default_model='builtin:tiny-hybrid',
+                    params={'max_seq_len': 1024, 'system_prompt': SYSTEM_PROMPT,
+                            'interrupt_policy': 'stop'},
+                    random_note='random weights: the text is not meaningful; the state '
+                                'handling is real',
+                    session=_lm_session)
 
 
 if __name__ == '__main__':

@@ -11,16 +11,11 @@ bit for bit), roll back a few control steps, e-stop (the action queue is dropped
 ~/reset to home. Prints a short report, stops the node by PID, exits 0 when every check holds.
 """
 
-import argparse
 import math
-import os
-import shutil
-import signal
 import sys
-import tempfile
 import time
 
-from flashrt_ros.demo import _Report, _start, _wait_event  # the `make demo` helpers
+from flashrt_ros.demo import _wait_event, run_demo  # the `make demo` helpers
 
 JOINTS = ('shoulder', 'elbow')
 DT = 0.05  # s per control step
@@ -186,50 +181,18 @@ def _run_session(client, report, events):
     report.check(client.state_digest() == home_digest, 'back to home, byte for byte')
 
 
+def _policy_session(node, client, workdir, params, report, events):
+    _run_session(client, report, events)
+    return node, client
+
+
 def main(argv=None):
     """Run the policy demo; return 0 when every check passed."""
-    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    parser.add_argument('--model', default='builtin:tiny-policy')
-    parser.add_argument('--device', default='cpu')
-    parser.add_argument('--keep', action='store_true', help='keep the work directory')
-    args = parser.parse_args(argv)
-
-    def terminate(signum, frame):
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, terminate)
-    workdir = tempfile.mkdtemp(prefix='flashrt_demo_policy_')
-    params = {'mode': 'policy', 'model': args.model, 'device': args.device,
-              'max_seq_len': 1024, 'capsule_dir': os.path.join(workdir, 'capsules'),
-              'interrupt_policy': 'stop'}
-    report = _Report()
-    print(f'flashrt_ros policy demo: model {args.model} on {args.device}'
-          + (' (random weights: the arm does not reach for anything; the state handling '
-             'is real)' if args.model.startswith('builtin:') else ''), flush=True)
-    node = client = None
-    try:
-        node, client = _start(workdir, params, report, 'started')
-        events = []
-        client.subscribe_events(events.append)
-        time.sleep(0.3)
-        _run_session(client, report, events)
-    except Exception as exc:
-        report.failures.append(repr(exc))
-        print(f'\nerror: {exc}', file=sys.stderr)
-    finally:
-        if client is not None:
-            client.close()
-        if node is not None:
-            node.stop()
-        if args.keep:
-            print(f'work directory kept: {workdir}')
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
-    if report.failures:
-        print(f'\n{len(report.failures)} check(s) failed: ' + '; '.join(report.failures))
-        return 1
-    print('\nall checks passed')
-    return 0
+    return run_demo(argv, doc=__doc__, title='policy demo', default_model='builtin:tiny-policy',
+                    params={'mode': 'policy', 'max_seq_len': 1024, 'interrupt_policy': 'stop'},
+                    random_note='random weights: the arm does not reach for anything; the '
+                                'state handling is real',
+                    session=_policy_session)
 
 
 if __name__ == '__main__':
