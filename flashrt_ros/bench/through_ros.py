@@ -16,16 +16,15 @@ import os
 import random
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
 
 import numpy as np
-import yaml
 
 from .common import ratio, summarize
 from .trigger_server import NODE_NAME as TRIGGER_NODE
+from ..node_process import ManagedProcess, NodeProcess
 
 NODE = 'flashrt'
 HOME = 'home'
@@ -49,32 +48,6 @@ def ros_missing():
     if shutil.which('flashrt_node') is None:
         return 'flashrt_node is not on PATH; run `make setup` and `. ./env.sh`'
     return ''
-
-
-class _Process:
-    """A child process with its output in a log file; stopped by the PID we started."""
-
-    def __init__(self, cmd, log_path, cwd):
-        self.log_path = log_path
-        self._log = open(log_path, 'w')
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd)
-
-    def stop(self, sig=signal.SIGINT, timeout=20.0):
-        """Signal, wait, kill after timeout; return the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-        return self.proc.returncode
-
-    def tail(self, n=3000):
-        """Return the end of the log."""
-        with open(self.log_path) as f:
-            return f.read()[-n:]
 
 
 class _Inbox:
@@ -116,15 +89,10 @@ def _node_params(plan, device, capsule_dir):
 def _start_processes(plan, device):
     workdir = os.path.join(plan.workdir, 'ros')
     os.makedirs(workdir, exist_ok=True)
-    params = os.path.join(workdir, 'flashrt.yaml')
-    with open(params, 'w') as f:
-        yaml.safe_dump({'/**': {'ros__parameters': _node_params(
-            plan, device, os.path.join(workdir, 'capsules'))}}, f)
-    node = _Process([shutil.which('flashrt_node'), '--ros-args', '--params-file', params],
-                    os.path.join(workdir, 'node.log'), workdir)
+    node = NodeProcess(workdir, _node_params(plan, device, os.path.join(workdir, 'capsules')))
     server = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'trigger_server.py')
-    triggers = [_Process([sys.executable, server] + flags,
-                         os.path.join(workdir, f'trigger{suffix}.log'), workdir)
+    triggers = [ManagedProcess([sys.executable, server] + flags,
+                               os.path.join(workdir, f'trigger{suffix}.log'), workdir)
                 for flags, suffix in (([], ''), (['--multi-threaded'], '_mt'))]
     return node, triggers
 
@@ -220,7 +188,7 @@ def _wait_ready(client, services, node_proc):
             return
         time.sleep(0.2)
     raise RuntimeError(f'the node did not become active (exit code {node_proc.proc.poll()}); '
-                       'node log:\n' + node_proc.tail())
+                       'node log:\n' + node_proc.log()[-3000:])
 
 
 def _round_trips(client, restore, trigger, trigger_mt, n, log):
