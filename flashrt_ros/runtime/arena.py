@@ -189,6 +189,7 @@ class StateArena:
             for e in self.manifest
         }
         self._by_name = {e.name: e for e in self.manifest}
+        self._pack_plans: dict[tuple[int, bool], tuple] = {}
         layout = {'align': align, 'entries': [e.to_json() for e in self.manifest]}
         self.layout_fingerprint = hashlib.sha256(
             json.dumps(layout, sort_keys=True).encode()
@@ -238,7 +239,7 @@ class StateArena:
         each extra copy is a kernel launch (~5 us) while bandwidth is huge, so one big copy
         usually wins; on a CPU copies are cheap to start and bandwidth is the limit.
         """
-        packed = self.plan(position, whole=False)
+        packed = self._pack_plan(position, False)[0]
         if self.device.type == 'cuda':
             bytes_per_us, launch_us = 500e3, 6.0
         else:
@@ -247,11 +248,53 @@ class StateArena:
         t_packed = packed.nbytes / bytes_per_us + len(packed.segments) * launch_us
         return t_whole <= t_packed
 
+    def _pack_plan(self, position: int, whole: bool) -> tuple:
+        """
+        (packing, split sizes, [(piece index, view shape)], arena sources) for pack().
+
+        Built once per (position, whole) and kept for the last few positions: the sources
+        are uint8 views of the arena (which never moves), so a snapshot only allocates the
+        blob, splits it into pieces (one call) and copies every segment in one fused call.
+        """
+        key = (position if not whole else -1, whole)
+        plan = self._pack_plans.get(key)
+        if plan is not None:
+            return plan
+        packing = self.plan(position, whole)
+        sizes, targets, srcs, cursor = [], [], [], 0
+        if not whole:
+            for seg in packing.segments:
+                if seg.nbytes == 0:
+                    continue
+                e = self._by_name[seg.name]
+                if seg.offset > cursor:
+                    sizes.append(seg.offset - cursor)  # alignment padding, left as allocated
+                if seg.rows is None:
+                    outer, run, stride = 1, e.nbytes, e.nbytes
+                else:
+                    outer = 1
+                    for s in e.shape[:e.seq_dim]:
+                        outer *= s
+                    inner = e.nbytes // (outer * e.shape[e.seq_dim])  # bytes of one row
+                    run, stride = seg.rows * inner, e.shape[e.seq_dim] * inner
+                # Byte views: [outer, rows * inner] strided in the arena, dense in the blob.
+                targets.append((len(sizes), (outer, run)))
+                sizes.append(seg.nbytes)
+                srcs.append(self.storage.as_strided((outer, run), (stride, 1), e.offset))
+                cursor = seg.offset + seg.nbytes
+            if packing.nbytes > cursor:
+                sizes.append(packing.nbytes - cursor)
+        plan = (packing, sizes, targets, srcs)
+        if len(self._pack_plans) >= 8:
+            self._pack_plans.clear()  # a few positions are hot (prefill end, turn ends)
+        self._pack_plans[key] = plan
+        return plan
+
     def pack(
         self, position: int, whole: bool, out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, Packing]:
         """Copy the state at `position` into a flat uint8 blob on the arena's device."""
-        packing = self.plan(position, whole)
+        packing, sizes, targets, srcs = self._pack_plan(position, whole)
         blob = (
             out
             if out is not None
@@ -260,15 +303,9 @@ class StateArena:
         if whole:
             blob.copy_(self.storage)  # [nbytes] one copy, memcpy speed
             return blob, packing
-        for seg in packing.segments:
-            e = self._by_name[seg.name]
-            shape = list(e.shape)
-            if seg.rows is not None:
-                shape[e.seq_dim] = seg.rows
-            src = _narrow_rows(
-                self.views[e.name], e.seq_dim, 0, seg.rows or 0
-            )  # [..., rows, ...] strided
-            typed_view(blob, seg.offset, e.torch_dtype, shape).copy_(src)
+        if srcs:
+            pieces = blob[:packing.nbytes].split_with_sizes(sizes)
+            torch._foreach_copy_([pieces[i].view(shape) for i, shape in targets], srcs)
         return blob, packing
 
     def copy_pairs(

@@ -17,7 +17,8 @@ restore/rollback lands on. The rollback ring keeps the last `rollback_depth` of 
 device-resident capsules OUTSIDE the user's device budget: the ring is the runtime's own
 undo history, its size is bounded by rollback_depth x the used state, and stats() reports
 its bytes separately. A restored device capsule goes on the ring by reference (capsules are
-immutable), so deleting it frees its memory only once it has left the ring.
+immutable), so deleting it frees its memory only once it has left the ring; so does the
+device-side blob a full host restore copied from (the host blob itself on a CPU runtime).
 
 Concurrency: one writer. Every state access holds `_lock` (the step lock); a generation
 claims the writer slot from generate() until it finishes, and state-changing calls made
@@ -319,8 +320,10 @@ class Runtime:
         cap.restore_cache['meta'] = meta
         return meta
 
-    def _apply(self, cap: Capsule, meta: dict, kinds: set[str] | None = None) -> None:
-        """Write a checked capsule into the live state (cannot fail half-way)."""
+    def _apply(
+        self, cap: Capsule, meta: dict, kinds: set[str] | None = None
+    ) -> torch.Tensor:
+        """Write a checked capsule into the live state (cannot fail half-way); return its blob."""
         blob = cap.blob
         if blob.device != self.device:
             blob = blob.to(self.device, non_blocking=True)  # pinned host -> device DMA
@@ -336,6 +339,7 @@ class Runtime:
         self.adapter.import_meta(meta['adapter'])
         self.generator.set_state(meta['rng'])
         self.position, self._pending = int(meta['position']), meta['pending']
+        return blob
 
     def _commit(self) -> None:
         """Mark the live state as a committed boundary (push it on the rollback ring)."""
@@ -672,16 +676,32 @@ class Runtime:
             cap = self.store.get(name)  # disk capsules are checksum-verified here
             meta = self._check_capsule(cap)
             kinds = None if mode == 'full' else set(self.arena.kinds) - KV_ONLY_SKIPS
-            self._apply(cap, meta, kinds)
+            blob = self._apply(cap, meta, kinds)
             if self.config.rollback_depth > 0:
                 # The restored state is a committed boundary. A device capsule is immutable, so
-                # the ring can hold the capsule itself (no copy); anything else is copied in.
-                reuse = mode == 'full' and cap.tier == 'device'
-                self._ring.append(
-                    cap
-                    if reuse
-                    else self._capture(f'@boundary-{self.position}', 'device', whole=False)
-                )
+                # the ring can hold the capsule itself (no copy). After a full restore the
+                # device-side blob _apply copied from is the state too: a host capsule's blob
+                # (immutable, on a CPU runtime) or the fresh device copy of a host/disk blob.
+                # A disk blob read on a CPU runtime maps the file, so that one is copied in,
+                # as is the mixed state a kv_only restore leaves.
+                if mode == 'full' and cap.tier == 'device':
+                    entry = cap
+                elif mode == 'full' and (cap.tier == 'host' or blob is not cap.blob):
+                    entry = Capsule(
+                        name=f'@boundary-{self.position}',
+                        tier='device',
+                        blob=blob,
+                        packing=cap.packing,
+                        manifest=self.arena.manifest,
+                        fingerprint=self.fingerprint,
+                        position=self.position,
+                        meta_json=cap.meta_json,
+                        components=self._components,
+                    )
+                    entry.restore_cache['meta'] = meta
+                else:
+                    entry = self._capture(f'@boundary-{self.position}', 'device', whole=False)
+                self._ring.append(entry)
             if self.device.type == 'cuda':
                 torch.cuda.synchronize(self.device)  # the info's latency covers the copy itself
             dt = time.perf_counter() - t0
