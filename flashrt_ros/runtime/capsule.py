@@ -79,6 +79,10 @@ def validate_name(name: Any) -> str:
     return name
 
 
+def _not_found(name: str) -> CapsuleNotFoundError:
+    return CapsuleNotFoundError(f'capsule {name!r} not found; list_capsules() shows what exists')
+
+
 def validate_tier(tier: Any) -> str:
     if tier not in TIERS:
         raise FlashRTError(f"tier {tier!r} is not valid; use one of {', '.join(TIERS)}")
@@ -294,9 +298,7 @@ class CapsuleStore:
                 return cap
             path = self._path(name)
             if not path.is_file():
-                raise CapsuleNotFoundError(
-                    f'capsule {name!r} not found; list_capsules() shows what exists'
-                )
+                raise _not_found(name)
             cap = self._read_disk(name, path)
             os.utime(path)  # mtime is the disk tier's LRU clock
             return cap
@@ -310,9 +312,7 @@ class CapsuleStore:
                 return cap
             path = self._path(name)
             if not path.is_file():
-                raise CapsuleNotFoundError(
-                    f'capsule {name!r} not found; list_capsules() shows what exists'
-                )
+                raise _not_found(name)
             return self._read_disk(name, path, header_only=True)
 
     def delete(self, name: str) -> CapsuleInfo:
@@ -355,9 +355,7 @@ class CapsuleStore:
             path.unlink()
             found = True
         if not found and not missing_ok:
-            raise CapsuleNotFoundError(
-                f'capsule {name!r} not found; list_capsules() shows what exists'
-            )
+            raise _not_found(name)
 
     def infos(self, tier: str | None = None) -> list[CapsuleInfo]:
         with self._lock:

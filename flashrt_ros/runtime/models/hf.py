@@ -277,7 +277,25 @@ def module_fingerprint(identity: dict[str, Any], module: torch.nn.Module,
     return h.hexdigest()
 
 
-class HFCausalLMAdapter(CausalLMAdapter):
+class BindingDelegate:
+    """The state contract of an adapter whose state is a CacheBinding at `self.binding`."""
+
+    binding: CacheBinding
+
+    def bind(self, views: dict[str, torch.Tensor]) -> None:
+        self.binding.bind(views)
+
+    def export_meta(self) -> dict[str, Any]:
+        return self.binding.export_meta()
+
+    def import_meta(self, meta: dict[str, Any]) -> None:
+        self.binding.import_meta(meta)
+
+    def reset_meta(self) -> None:
+        self.binding.reset_meta()
+
+
+class HFCausalLMAdapter(BindingDelegate, CausalLMAdapter):
     """A transformers causal LM running over a StaticCache bound to arena views."""
 
     def __init__(self, model, tokenizer, max_seq_len: int, model_id: str):
@@ -309,18 +327,6 @@ class HFCausalLMAdapter(CausalLMAdapter):
 
     def state_specs(self) -> list[StateSpec]:
         return list(self.binding.specs)
-
-    def bind(self, views: dict[str, torch.Tensor]) -> None:
-        self.binding.bind(views)
-
-    def export_meta(self) -> dict[str, Any]:
-        return self.binding.export_meta()
-
-    def import_meta(self, meta: dict[str, Any]) -> None:
-        self.binding.import_meta(meta)
-
-    def reset_meta(self) -> None:
-        self.binding.reset_meta()
 
     def prepare_capture(self) -> None:
         self.binding.prepare_capture()

@@ -68,7 +68,7 @@ import torch
 
 from .base import PolicyAdapter, PolicySpec
 from .builtin import POLICY_BUILTINS, SEED
-from .hf import CacheBinding, module_fingerprint, PROBE_TOKENS
+from .hf import BindingDelegate, CacheBinding, module_fingerprint, PROBE_TOKENS
 from ..arena import StateSpec
 from ..errors import ConfigError, FlashRTError
 
@@ -142,7 +142,7 @@ def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-class SequencePolicy(torch.nn.Module):
+class SequencePolicy(BindingDelegate, torch.nn.Module):
     """Observation encoder -> transformers hybrid backbone (inputs_embeds) -> action head."""
 
     def __init__(self, config: PolicyConfig):
@@ -177,18 +177,6 @@ class SequencePolicy(torch.nn.Module):
         x = torch.zeros(1, PROBE_TOKENS, self.backbone.config.hidden_size, device=p.device,
                         dtype=p.dtype)  # [1, P, hidden]
         self.backbone(inputs_embeds=x, cache=cache, use_cache=True)
-
-    def bind(self, views: dict[str, torch.Tensor]) -> None:
-        self.binding.bind(views)
-
-    def export_meta(self) -> dict[str, Any]:
-        return self.binding.export_meta()
-
-    def import_meta(self, meta: dict[str, Any]) -> None:
-        self.binding.import_meta(meta)
-
-    def reset_meta(self) -> None:
-        self.binding.reset_meta()
 
     # ---- compute ---------------------------------------------------------------------
 
