@@ -121,6 +121,49 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class _Run:
+    """
+    One strided byte copy between the arena and a blob, covering one or more state tensors.
+
+    In the arena the run is `count` tensors `stride` bytes apart, each `outer` pieces of
+    `rows * row` bytes that are `seq_len * row` bytes apart (rows=None: one flat range of
+    `row` bytes). In the blob the same bytes lie dense from `blob_offset`.
+    """
+
+    arena_offset: int
+    blob_offset: int
+    count: int
+    stride: int
+    outer: int
+    seq_len: int
+    row: int
+    rows: int | None
+    last: int  # manifest index of the run's last tensor (runs only grow over neighbours)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        run = self.row if self.rows is None else self.rows * self.row
+        return (self.count, self.outer, run)
+
+    @property
+    def nbytes(self) -> int:
+        count, outer, run = self.shape
+        return count * outer * run
+
+    def arena_view(self, storage: torch.Tensor, rows: tuple[int, int] | None = None):
+        """Return the run's bytes in the arena; rows=(start, stop) picks other rows."""
+        if self.rows is None:
+            return storage[self.arena_offset:self.arena_offset + self.row].view(1, 1, -1)
+        start, stop = rows if rows is not None else (0, self.rows)
+        return storage.as_strided((self.count, self.outer, (stop - start) * self.row),
+                                  (self.stride, self.seq_len * self.row, 1),
+                                  self.arena_offset + start * self.row)
+
+    def blob_view(self, blob: torch.Tensor) -> torch.Tensor:
+        return blob[self.blob_offset:self.blob_offset + self.nbytes].view(self.shape)
+
+
+@dataclass(frozen=True)
 class Packing:
     """
     How a snapshot blob maps back onto the arena.
@@ -157,16 +200,21 @@ def typed_view(
     return buf[offset:offset + nbytes].view(dtype).view(tuple(shape))
 
 
-def _narrow_rows(t: torch.Tensor, seq_dim: int | None, start: int, stop: int) -> torch.Tensor:
-    return t if seq_dim is None else t.narrow(seq_dim, start, stop - start)
-
-
 class StateArena:
     """One contiguous allocation holding every state tensor as a typed view."""
 
     def __init__(self, specs: Iterable[StateSpec], device: torch.device | str, align: int = ALIGN):
         self.device = torch.device(device)
         self.align = align
+        # Order: every tensor without a sequence axis first (one dense region a snapshot copies
+        # as one range), then the KV tensors grouped by layout (equal dtype and shape), so a
+        # snapshot or restore is a few strided copies whatever the number of layers.
+        groups: dict[tuple, int] = {}
+        specs = list(specs)
+        keys = [0 if s.seq_dim is None
+                else 1 + groups.setdefault((s.dtype, tuple(s.shape), s.seq_dim), len(groups))
+                for s in specs]
+        specs = [s for _, _, s in sorted(zip(keys, range(len(specs)), specs))]
         entries, offset = [], 0
         names = set()
         for spec in specs:
@@ -189,6 +237,7 @@ class StateArena:
             for e in self.manifest
         }
         self._by_name = {e.name: e for e in self.manifest}
+        self._index = {e.name: i for i, e in enumerate(self.manifest)}
         self._pack_plans: dict[tuple[int, bool], tuple] = {}
         layout = {'align': align, 'entries': [e.to_json() for e in self.manifest]}
         self.layout_fingerprint = hashlib.sha256(
@@ -214,7 +263,13 @@ class StateArena:
     # ---- snapshot / restore helpers -------------------------------------------------
 
     def plan(self, position: int, whole: bool) -> Packing:
-        """Lay out a snapshot blob at `position`: the whole arena, or only the live parts."""
+        """
+        Lay out a snapshot blob at `position`: the whole arena, or only the live parts.
+
+        A packed blob keeps the tensors without a sequence axis at their arena offsets (the
+        arena puts them first, so they are one range) and the used rows of every KV tensor
+        dense after them.
+        """
         if whole:
             segs = tuple(
                 Segment(
@@ -223,68 +278,87 @@ class StateArena:
                 for e in self.manifest
             )
             return Packing(True, segs, self.nbytes)
-        segs, offset = [], 0
+        segs, cursor = [], 0
         for e in self.manifest:
             rows = None if e.seq_dim is None else min(position, e.shape[e.seq_dim])
             nbytes = e.nbytes if rows is None else rows * e.row_nbytes()
+            offset = _align(cursor, self.align) if rows is None else cursor
             segs.append(Segment(e.name, rows, offset, nbytes))
-            offset = _align(offset + nbytes, self.align)
-        return Packing(False, tuple(segs), max(offset, self.align))
+            cursor = offset + nbytes
+        return Packing(False, tuple(segs), cursor)
 
     def choose_whole(self, position: int) -> bool:
         """
-        Whether one whole-arena copy is cheaper than per-tensor prefix copies.
+        Whether one whole-arena copy is cheaper than copying the used rows only.
 
         A rough cost model, time = bytes / bandwidth + copies * launch overhead: on a GPU
         each extra copy is a kernel launch (~5 us) while bandwidth is huge, so one big copy
         usually wins; on a CPU copies are cheap to start and bandwidth is the limit.
         """
-        packed = self._pack_plan(position, False)[0]
+        packing, runs, _ = self._pack_plan(position, False)
         if self.device.type == 'cuda':
             bytes_per_us, launch_us = 500e3, 6.0
         else:
             bytes_per_us, launch_us = 10e3, 2.0
         t_whole = self.nbytes / bytes_per_us + launch_us
-        t_packed = packed.nbytes / bytes_per_us + len(packed.segments) * launch_us
+        t_packed = packing.nbytes / bytes_per_us + len(runs) * launch_us
         return t_whole <= t_packed
+
+    def runs(self, packing: Packing, kinds: set[str] | None = None) -> list[_Run]:
+        """
+        Merge a packing's segments into as few strided copies as the layout allows.
+
+        Neighbouring tensors without a sequence axis (or with all rows used) merge into one
+        flat range when they sit equally far apart in the arena and the blob; neighbouring
+        KV tensors of one layout merge into one [count, outer, rows * row] copy. `kinds`
+        keeps only tensors of those kinds; a tensor left out breaks a run.
+        """
+        runs: list[_Run] = []
+        for seg in packing.segments:
+            index, e = self._index[seg.name], self._by_name[seg.name]
+            if kinds is not None and e.kind not in kinds:
+                continue
+            last = runs[-1] if runs and runs[-1].last == index - 1 else None
+            seq_len = 0 if e.seq_dim is None else e.shape[e.seq_dim]
+            if seg.rows is None or seg.rows == seq_len:  # one flat range
+                arena_gap = e.offset - (last.arena_offset + last.row) if last else -1
+                blob_gap = seg.offset - (last.blob_offset + last.row) if last else -1
+                if last is not None and last.rows is None and arena_gap == blob_gap >= 0:
+                    runs[-1] = _Run(last.arena_offset, last.blob_offset, 1, 0, 1, 0,
+                                    e.offset + seg.nbytes - last.arena_offset, None, index)
+                else:
+                    runs.append(_Run(e.offset, seg.offset, 1, 0, 1, 0, seg.nbytes, None, index))
+                continue
+            outer = 1
+            for s in e.shape[:e.seq_dim]:
+                outer *= s
+            row = e.nbytes // (outer * seq_len)
+            if (last is not None and last.rows == seg.rows and last.outer == outer
+                    and last.row == row and last.seq_len == seq_len
+                    and seg.offset == last.blob_offset + last.nbytes):
+                stride = e.offset - last.arena_offset if last.count == 1 else last.stride
+                if e.offset == last.arena_offset + last.count * stride:
+                    runs[-1] = _Run(last.arena_offset, last.blob_offset, last.count + 1, stride,
+                                    outer, seq_len, row, seg.rows, index)
+                    continue
+            runs.append(_Run(e.offset, seg.offset, 1, e.nbytes, outer, seq_len, row,
+                             seg.rows, index))
+        return runs
 
     def _pack_plan(self, position: int, whole: bool) -> tuple:
         """
-        (packing, split sizes, [(piece index, view shape)], arena sources) for pack().
+        (packing, runs, arena views) for pack(), built once per (position, whole).
 
-        Built once per (position, whole) and kept for the last few positions: the sources
-        are uint8 views of the arena (which never moves), so a snapshot only allocates the
-        blob, splits it into pieces (one call) and copies every segment in one fused call.
+        Kept for the last few positions: the views are of the arena (which never moves), so
+        a snapshot only allocates the blob and copies every run in one fused call.
         """
         key = (position if not whole else -1, whole)
         plan = self._pack_plans.get(key)
         if plan is not None:
             return plan
         packing = self.plan(position, whole)
-        sizes, targets, srcs, cursor = [], [], [], 0
-        if not whole:
-            for seg in packing.segments:
-                if seg.nbytes == 0:
-                    continue
-                e = self._by_name[seg.name]
-                if seg.offset > cursor:
-                    sizes.append(seg.offset - cursor)  # alignment padding, left as allocated
-                if seg.rows is None:
-                    outer, run, stride = 1, e.nbytes, e.nbytes
-                else:
-                    outer = 1
-                    for s in e.shape[:e.seq_dim]:
-                        outer *= s
-                    inner = e.nbytes // (outer * e.shape[e.seq_dim])  # bytes of one row
-                    run, stride = seg.rows * inner, e.shape[e.seq_dim] * inner
-                # Byte views: [outer, rows * inner] strided in the arena, dense in the blob.
-                targets.append((len(sizes), (outer, run)))
-                sizes.append(seg.nbytes)
-                srcs.append(self.storage.as_strided((outer, run), (stride, 1), e.offset))
-                cursor = seg.offset + seg.nbytes
-            if packing.nbytes > cursor:
-                sizes.append(packing.nbytes - cursor)
-        plan = (packing, sizes, targets, srcs)
+        runs = [] if whole else [r for r in self.runs(packing) if r.nbytes]
+        plan = (packing, runs, [r.arena_view(self.storage) for r in runs])
         if len(self._pack_plans) >= 8:
             self._pack_plans.clear()  # a few positions are hot (prefill end, turn ends)
         self._pack_plans[key] = plan
@@ -294,7 +368,7 @@ class StateArena:
         self, position: int, whole: bool, out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, Packing]:
         """Copy the state at `position` into a flat uint8 blob on the arena's device."""
-        packing, sizes, targets, srcs = self._pack_plan(position, whole)
+        packing, runs, views = self._pack_plan(position, whole)
         blob = (
             out
             if out is not None
@@ -302,27 +376,18 @@ class StateArena:
         )
         if whole:
             blob.copy_(self.storage)  # [nbytes] one copy, memcpy speed
-            return blob, packing
-        if srcs:
-            pieces = blob[:packing.nbytes].split_with_sizes(sizes)
-            torch._foreach_copy_([pieces[i].view(shape) for i, shape in targets], srcs)
+        elif runs:
+            torch._foreach_copy_([r.blob_view(blob) for r in runs], views)
         return blob, packing
 
     def copy_pairs(
         self, blob: torch.Tensor, packing: Packing, kinds: set[str] | None = None
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(arena destinations, blob sources) for a restore; build once per capsule, reuse."""
-        dsts, srcs = [], []
-        for seg in packing.segments:
-            e = self._by_name[seg.name]
-            if kinds is not None and e.kind not in kinds:
-                continue
-            shape = list(e.shape)
-            if seg.rows is not None:
-                shape[e.seq_dim] = seg.rows
-            dsts.append(_narrow_rows(self.views[e.name], e.seq_dim, 0, seg.rows or 0))
-            srcs.append(typed_view(blob, seg.offset, e.torch_dtype, shape))
-        return dsts, srcs
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[_Run]]:
+        """(arena destinations, blob sources, runs) for a restore; build once per capsule."""
+        runs = self.runs(packing, kinds)
+        copied = [r for r in runs if r.nbytes]
+        return ([r.arena_view(self.storage) for r in copied], [r.blob_view(blob) for r in copied],
+                [r for r in runs if r.rows is not None])
 
     def unpack(
         self,
@@ -330,7 +395,7 @@ class StateArena:
         packing: Packing,
         live_position: int,
         kinds: set[str] | None = None,
-        pairs: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+        pairs: tuple | None = None,
     ) -> None:
         """
         Copy a snapshot blob back into the arena in place.
@@ -342,15 +407,12 @@ class StateArena:
         if packing.whole and kinds is None:
             self.storage.copy_(blob)  # [nbytes] one copy; the tail comes back as it was
             return
-        dsts, srcs = pairs if pairs is not None else self.copy_pairs(blob, packing, kinds)
-        torch._foreach_copy_(dsts, srcs)  # one call for all segments (mixed dtypes, strided KV)
-        for seg in packing.segments:
-            e = self._by_name[seg.name]
-            if seg.rows is None or (kinds is not None and e.kind not in kinds):
-                continue
-            stale_end = min(max(live_position, seg.rows), e.shape[e.seq_dim])
-            if stale_end > seg.rows:
-                self.views[e.name].narrow(e.seq_dim, seg.rows, stale_end - seg.rows).zero_()
+        dsts, srcs, partial = pairs if pairs is not None else self.copy_pairs(blob, packing, kinds)
+        torch._foreach_copy_(dsts, srcs)  # one call for all runs
+        for r in partial:
+            stale_end = min(max(live_position, r.rows), r.seq_len)
+            if stale_end > r.rows:
+                r.arena_view(self.storage, (r.rows, stale_end)).zero_()
 
     def check_compatible(self, manifest: Sequence[ManifestEntry]) -> bool:
         return tuple(manifest) == self.manifest

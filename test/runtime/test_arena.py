@@ -92,3 +92,48 @@ def test_duplicate_names_are_rejected():
     spec = StateSpec('x', 'kv', (2,), torch.float32)
     with pytest.raises(ValueError, match='duplicate'):
         StateArena([spec, spec], 'cpu')
+
+
+def _layers(n, max_len=16):
+    """N layers' worth of _specs(), as an adapter lists them (layer by layer)."""
+    return [StateSpec(f'L{i}.{s.name}', s.kind, s.shape, s.dtype, s.seq_dim)
+            for i in range(n) for s in _specs(max_len)]
+
+
+def test_snapshot_copies_are_few_whatever_the_layer_count():
+    # Tensors without a sequence axis are one range; KV tensors of one layout one strided
+    # copy; so 1 + (number of KV layouts) copies for 1 or 12 layers.
+    for n in (1, 12):
+        arena = StateArena(_layers(n), 'cpu')
+        assert len(arena.runs(arena.plan(5, whole=False))) == 3
+        kinds = [e.seq_dim is not None for e in arena.manifest]
+        assert kinds == sorted(kinds)  # no sequence axis first
+
+
+def test_packed_blob_is_deterministic_and_restores_many_layers():
+    arena = StateArena(_layers(6), 'cpu')
+    _advance(arena, 0, 7, seed=5)
+    snap_digest = _digest(arena)
+    first, packing = arena.pack(7, whole=False)
+    second = torch.full_like(first, 0xAB)
+    arena.pack(7, whole=False, out=second)
+    assert torch.equal(first, second)  # every blob byte is written: padding is copied too
+    assert packing.nbytes == first.numel() < arena.nbytes
+    _advance(arena, 7, 16, seed=6)
+    arena.unpack(first, packing, live_position=16)
+    assert _digest(arena) == snap_digest
+
+
+def test_unpack_of_kinds_between_others_leaves_neighbours():
+    # 'position' entries sit between conv/recurrent entries: a restore of only those must not
+    # copy its neighbours' bytes through one merged range.
+    arena = StateArena(_layers(3), 'cpu')
+    _advance(arena, 0, 4, seed=7)
+    blob, packing = arena.pack(4, whole=False)
+    length_then = arena.views['L1.L1.length'].clone()
+    _advance(arena, 4, 9, seed=8)
+    conv_now = {n: arena.views[n].clone() for n in arena.views if n.endswith('conv0')}
+    arena.unpack(blob, packing, live_position=9, kinds={'position'})
+    assert torch.equal(arena.views['L1.L1.length'], length_then)
+    for name, value in conv_now.items():
+        assert torch.equal(arena.views[name], value)
