@@ -676,7 +676,13 @@ class FlashRTNode(LifecycleNode):
         return received if now - 10.0 < received <= now + 0.001 else now
 
     def _stop_and_apply(self, operation, mode, boundaries, capsule, reason, received):
-        """Stop the generation at its next step boundary, then stop/roll back/restore."""
+        """
+        Stop the generation, then stop/roll back/restore.
+
+        STOP waits for the step in flight to finish (the state stays a clean boundary);
+        ROLLBACK and RESTORE replace the state anyway, so they abandon the step in flight at
+        its next module boundary (the runtime's preempt) instead of waiting for it to end.
+        """
         if not self._active:
             self.get_logger().warning(f'{operation} ignored: {self._not_active_message()}')
             return
@@ -684,31 +690,36 @@ class FlashRTNode(LifecycleNode):
         # Observations received before this message belong to the interrupted episode.
         self._interrupted_at = max(self._interrupted_at, received)
         self._latest_observation = None
-        with self._generation_stopped() as stopped:
-            try:
-                if not stopped:
-                    raise FlashRTError('the generation did not reach a step boundary within '
-                                       'interrupt_timeout; raise it or check the node log')
-                if mode == Interrupt.STOP:
-                    message = f'stopped at position {self._runtime.position}'
-                elif mode == Interrupt.ROLLBACK:
-                    info = self._runtime.rollback(boundaries)
-                    name, tier, nbytes = info.name, info.tier, info.nbytes
-                    message = f'stopped and rolled back {boundaries} to position {info.position}'
-                elif mode == Interrupt.RESTORE:
-                    info = self._runtime.restore(capsule)
-                    name, tier, nbytes = info.name, info.tier, info.nbytes
-                    message = f'stopped and restored {capsule!r} at position {info.position}'
-                else:
-                    raise FlashRTError(f'interrupt mode {mode} is not valid; use 0 (POLICY), '
-                                       '1 (STOP), 2 (ROLLBACK) or 3 (RESTORE)')
-                if self._runtime.is_policy:
-                    # After the restore: a restored capsule may hold an older chunk's queue.
-                    self._runtime.drop_actions()
-                    message += '; action queue dropped'
-            except Exception as exc:
-                success, message = False, f'{operation} failed: {exc}'
-                self.get_logger().warning(message)
+        rt = self._runtime
+        try:
+            if mode == Interrupt.STOP:
+                with self._generation_stopped() as stopped:
+                    if not stopped:
+                        raise FlashRTError('the generation did not reach a step boundary '
+                                           'within interrupt_timeout; raise it or check the '
+                                           'node log')
+                    message = f'stopped at position {rt.position}'
+            elif mode == Interrupt.ROLLBACK:
+                info = rt.rollback(boundaries, preempt=True)
+                name, tier, nbytes = info.name, info.tier, info.nbytes
+                message = f'stopped and rolled back {boundaries} to position {info.position}'
+            elif mode == Interrupt.RESTORE:
+                info = rt.restore(capsule, preempt=True)
+                name, tier, nbytes = info.name, info.tier, info.nbytes
+                message = f'stopped and restored {capsule!r} at position {info.position}'
+            else:
+                raise FlashRTError(f'interrupt mode {mode} is not valid; use 0 (POLICY), '
+                                   '1 (STOP), 2 (ROLLBACK) or 3 (RESTORE)')
+            if rt.is_policy:
+                # After the restore: a restored capsule may hold an older chunk's queue.
+                rt.drop_actions()
+                message += '; action queue dropped'
+        except Exception as exc:
+            success, message = False, f'{operation} failed: {exc}'
+            if mode != Interrupt.STOP:  # still stop: an interrupt must not go unheeded
+                with self._generation_stopped():
+                    message += f'; stopped at position {rt.position} instead'
+            self.get_logger().warning(message)
         latency_ms = (time.time() - received) * 1e3
         if reason:
             message += f' (reason: {reason})'

@@ -150,17 +150,40 @@ class _Run:
         count, outer, run = self.shape
         return count * outer * run
 
-    def arena_view(self, storage: torch.Tensor, rows: tuple[int, int] | None = None):
-        """Return the run's bytes in the arena; rows=(start, stop) picks other rows."""
-        if self.rows is None:
-            return storage[self.arena_offset:self.arena_offset + self.row].view(1, 1, -1)
-        start, stop = rows if rows is not None else (0, self.rows)
-        return storage.as_strided((self.count, self.outer, (stop - start) * self.row),
-                                  (self.stride, self.seq_len * self.row, 1),
-                                  self.arena_offset + start * self.row)
+    def word(self, blob_start: int = 0) -> torch.dtype:
+        """
+        Pick the widest integer type every offset and length of the run divides into.
 
-    def blob_view(self, blob: torch.Tensor) -> torch.Tensor:
-        return blob[self.blob_offset:self.blob_offset + self.nbytes].view(self.shape)
+        Copying int64 words instead of bytes makes 8x fewer elements: a state of up to
+        256 KiB then stays under ATen's parallel grain and is copied by the calling thread
+        alone. Waking an OpenMP team from a thread that rarely runs torch (a ROS executor
+        thread serving ~/restore) costs more than such a copy.
+        """
+        bits = self.arena_offset | self.blob_offset | self.row | blob_start
+        if self.count > 1:
+            bits |= self.stride
+        return next(dtype for size, dtype in _WORDS if bits % size == 0)
+
+    def arena_view(self, words: dict, rows: tuple[int, int] | None = None,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Return the run's part of the arena (`words`: the storage viewed per word type)."""
+        dtype = dtype or self.word()
+        storage, w = words[dtype], words[dtype].element_size()
+        if self.rows is None:
+            return storage[self.arena_offset // w:(self.arena_offset + self.row) // w].view(
+                1, 1, -1)
+        start, stop = rows if rows is not None else (0, self.rows)
+        return storage.as_strided((self.count, self.outer, (stop - start) * self.row // w),
+                                  (self.stride // w, self.seq_len * self.row // w, 1),
+                                  (self.arena_offset + start * self.row) // w)
+
+    def blob_view(self, blob: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        count, outer, run = self.shape
+        piece = blob[self.blob_offset:self.blob_offset + self.nbytes].view(dtype or self.word())
+        return piece.view(count, outer, -1)
+
+
+_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
 @dataclass(frozen=True)
@@ -239,6 +262,8 @@ class StateArena:
         self._by_name = {e.name: e for e in self.manifest}
         self._index = {e.name: i for i, e in enumerate(self.manifest)}
         self._pack_plans: dict[tuple[int, bool], tuple] = {}
+        # The storage as words of every width (nbytes is a multiple of ALIGN) for _Run views.
+        self._words = {dtype: self.storage.view(dtype) for _, dtype in _WORDS}
         layout = {'align': align, 'entries': [e.to_json() for e in self.manifest]}
         self.layout_fingerprint = hashlib.sha256(
             json.dumps(layout, sort_keys=True).encode()
@@ -358,7 +383,7 @@ class StateArena:
             return plan
         packing = self.plan(position, whole)
         runs = [] if whole else [r for r in self.runs(packing) if r.nbytes]
-        plan = (packing, runs, [r.arena_view(self.storage) for r in runs])
+        plan = (packing, runs, [r.arena_view(self._words) for r in runs])
         if len(self._pack_plans) >= 8:
             self._pack_plans.clear()  # a few positions are hot (prefill end, turn ends)
         self._pack_plans[key] = plan
@@ -375,18 +400,26 @@ class StateArena:
             else torch.empty(packing.nbytes, dtype=torch.uint8, device=self.device)
         )
         if whole:
-            blob.copy_(self.storage)  # [nbytes] one copy, memcpy speed
+            arena, words = self._whole(blob)
+            words.copy_(arena)  # one copy, memcpy speed
         elif runs:
-            torch._foreach_copy_([r.blob_view(blob) for r in runs], views)
+            torch._foreach_copy_([r.blob_view(blob, v.dtype) for r, v in zip(runs, views)],
+                                 views)
         return blob, packing
+
+    def _whole(self, blob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(arena, blob) of a whole-arena copy, as int64 words when the blob's start allows."""
+        dtype = torch.int64 if blob.storage_offset() % 8 == 0 else torch.uint8
+        return self._words[dtype], blob.view(dtype)
 
     def copy_pairs(
         self, blob: torch.Tensor, packing: Packing, kinds: set[str] | None = None
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[_Run]]:
         """(arena destinations, blob sources, runs) for a restore; build once per capsule."""
         runs = self.runs(packing, kinds)
-        copied = [r for r in runs if r.nbytes]
-        return ([r.arena_view(self.storage) for r in copied], [r.blob_view(blob) for r in copied],
+        copied = [(r, r.word(blob.storage_offset())) for r in runs if r.nbytes]
+        return ([r.arena_view(self._words, dtype=d) for r, d in copied],
+                [r.blob_view(blob, d) for r, d in copied],
                 [r for r in runs if r.rows is not None])
 
     def unpack(
@@ -405,14 +438,15 @@ class StateArena:
         live_position) are zeroed, which re-establishes the zero-tail invariant.
         """
         if packing.whole and kinds is None:
-            self.storage.copy_(blob)  # [nbytes] one copy; the tail comes back as it was
+            arena, words = self._whole(blob)
+            arena.copy_(words)  # one copy; the tail comes back as it was
             return
         dsts, srcs, partial = pairs if pairs is not None else self.copy_pairs(blob, packing, kinds)
         torch._foreach_copy_(dsts, srcs)  # one call for all runs
         for r in partial:
             stale_end = min(max(live_position, r.rows), r.seq_len)
             if stale_end > r.rows:
-                r.arena_view(self.storage, (r.rows, stale_end)).zero_()
+                r.arena_view(self._words, (r.rows, stale_end)).zero_()
 
     def check_compatible(self, manifest: Sequence[ManifestEntry]) -> bool:
         return tuple(manifest) == self.manifest

@@ -13,11 +13,18 @@ the chunk's queue of not-yet-executed actions kept in the arena. It runs eagerly
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .arena import StateSpec
 from .errors import InvalidRequestError
 from .models.base import CausalLMAdapter, PolicyAdapter, PolicySpec
+
+
+class StepAborted(Exception):
+    """Raised inside the model when a running step is abandoned (the state is then torn)."""
+
 
 PREFILL_CHUNK = 2048  # tokens per prefill forward: bounds activation memory for long prompts
 WARMUP_STEPS = 3  # eager steps on a side stream before capture (lazy inits, allocator)
@@ -36,11 +43,33 @@ class Engine:
         self.cuda_graphs = cuda_graphs and self.device.type == 'cuda'
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_error: str | None = None
+        self._hooks: list = []
         if self.cuda_graphs and getattr(adapter, 'has_sliding_layers', False):
             # Sliding-window layers branch in Python on a host-side counter; a graph would
             # freeze one branch. Run them eagerly rather than risk a wrong step.
             self.cuda_graphs = False
             self.graph_error = 'disabled: sliding-window layers branch on host state'
+
+    def abort_when(self, should_abort: Callable[[], bool]) -> int:
+        """
+        Abandon eager forwards at a module boundary once should_abort() is true.
+
+        A forward pre-hook on every decoder layer and on each of its direct children (the
+        attention or mixer, the MLP, the norms) raises StepAborted. The check is one call
+        per module; a replayed CUDA graph runs no hooks and is never abandoned. Returns the
+        number of hooked modules (0 when the model has no `layers` to hook).
+        """
+        def check(module, args):
+            if should_abort():
+                raise StepAborted()
+
+        model = getattr(self.adapter, 'model', None)
+        decoder = model.get_decoder() if hasattr(model, 'get_decoder') else None
+        layers = getattr(decoder, 'layers', None) or ()
+        modules = [m for layer in layers for m in (layer, *layer.children())]
+        for m in modules:
+            self._hooks.append(m.register_forward_pre_hook(check))
+        return len(modules)
 
     @torch.no_grad()
     def prefill(self, ids: list[int], position: int) -> None:
@@ -97,6 +126,9 @@ class Engine:
 
     def drop_graph(self) -> None:
         self.graph = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
 
     @torch.no_grad()
     def sample(

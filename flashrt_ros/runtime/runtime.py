@@ -24,6 +24,15 @@ Concurrency: one writer. Every state access holds `_lock` (the step lock); a gen
 claims the writer slot from generate() until it finishes, and state-changing calls made
 meanwhile raise BusyError instead of waiting for an unbounded stream to end.
 
+Preemption: restore(..., preempt=True) and rollback(..., preempt=True) end a running
+generation and replace the state in one go. The capsule is checked first; then the step in
+flight is abandoned at its next module boundary (a forward pre-hook raises inside the
+model, so the wait is a fraction of a step, and a long prefill is cut short too) and the
+generation thread itself writes the capsule over the half-updated state (the rows the
+abandoned forward may have written are zeroed with the rest of the stale tail). The turn
+ends with stop_reason "interrupted" and is not committed. A captured CUDA graph replays as
+one launch, so there the wait is up to one step.
+
 Policy mode (a robot policy model, models/policy.py): act(observation) replaces prefill and
 generate. position counts observations; every act() is a committed boundary; the action
 chunk and its queue of not-yet-executed actions are arena state (kind "actions"), taken
@@ -46,7 +55,7 @@ import torch
 from .arena import StateArena, StateSpec
 from .capsule import Capsule, CapsuleInfo, CapsuleStore, move_blob, validate_name, validate_tier
 from .config import RuntimeConfig
-from .engine import Engine, PolicyEngine
+from .engine import Engine, PolicyEngine, StepAborted
 from .errors import (
     BusyError,
     ConfigError,
@@ -91,6 +100,16 @@ class GenerationResult:
     ttft_s: float
     tokens_per_s: float
     prompt_tokens: int
+
+
+class _Preemption:
+    """A restore or rollback waiting to replace the state of a running generation."""
+
+    def __init__(self, run):
+        self.run = run  # run(torn: bool) -> CapsuleInfo, with the step lock held
+        self.done = False
+        self.result: CapsuleInfo | None = None
+        self.error: BaseException | None = None
 
 
 @dataclass
@@ -163,6 +182,10 @@ class Runtime:
         self._interrupt = threading.Event()
         self._active: Generation | None = None
         self._closed = False
+        self._preempt: _Preemption | None = None
+        self._preempt_lock = threading.Lock()  # one preemption at a time
+        self._abortable = False  # True while a generation's forward may be abandoned
+        self._extent = 0  # rows the last forward may have written (past position if torn)
 
         if adapter is None:
             load = load_policy if is_policy_model(config.model) else load_adapter
@@ -185,6 +208,7 @@ class Runtime:
             self.engine = PolicyEngine(self.adapter, self.arena.views)
         else:
             self.engine = Engine(self.adapter, self.arena.views['logits'], config.cuda_graphs)
+            self.engine.abort_when(lambda: self._abortable and self._preempt is not None)
         self._last_step_s = 0.0
         self.fingerprint = hashlib.sha256(
             (self.adapter.fingerprint() + self.arena.layout_fingerprint).encode()
@@ -335,7 +359,8 @@ class Runtime:
             pairs = self.arena.copy_pairs(blob, cap.packing, kinds)
             if blob is cap.blob:
                 cap.restore_cache[key] = pairs
-        self.arena.unpack(blob, cap.packing, self.position, kinds, pairs)
+        self.arena.unpack(blob, cap.packing, max(self.position, self._extent), kinds, pairs)
+        self._extent = 0
         self.adapter.import_meta(meta['adapter'])
         self.generator.set_state(meta['rng'])
         self.position, self._pending = int(meta['position']), meta['pending']
@@ -374,6 +399,7 @@ class Runtime:
                 f'prompt of {len(ids)} tokens does not fit: position {self.position}, '
                 f'max_seq_len {self.config.max_seq_len}; reset() or raise max_seq_len'
             )
+        self._extent = self.position + len(ids)
         self.engine.prefill(ids, self.position)
         tokens = self.arena.views['tokens']
         tokens[self.position:self.position + len(ids)].copy_(
@@ -383,6 +409,7 @@ class Runtime:
         self._pending = None
 
     def _feed(self, token: int) -> None:
+        self._extent = self.position + 1
         self.engine.decode(token, self.position)
         self.arena.views['tokens'][self.position] = token
         self.position += 1
@@ -507,60 +534,124 @@ class Runtime:
         with self._lock:
             if gen.result is not None:
                 raise StopIteration
-            s = gen.sampling
-            if not gen.started:
-                gen.started, gen.t_start = True, time.perf_counter()
-                if s.seed is not None:
-                    self.generator.manual_seed(s.seed)
-                if gen.prompt_ids is not None:
-                    try:
-                        self._prefill_ids(gen.prompt_ids)
-                    except FlashRTError:
-                        self._release(gen)
-                        raise
-                    self._commit()  # end of prefill is a committed boundary
-            if self._interrupt.is_set():
-                self._finish(gen, 'interrupted')
-            elif len(gen.token_ids) >= s.max_new_tokens:
-                self._finish(gen, 'max_tokens')
-            elif self._pending is not None and self.position >= self.config.max_seq_len:
-                self._finish(gen, 'max_seq_len')
-            if gen.result is not None:
+            if self._preempt is not None:  # a restore/rollback waits for this boundary
+                self._serve_preemption(gen, torn=False)
                 raise StopIteration
-            if self._pending is not None:
+            try:
+                return self._step(gen)
+            except StepAborted:
+                self._abortable = False
+                self._serve_preemption(gen, torn=True)
+                raise StopIteration from None
+
+    def _serve_preemption(self, gen: Generation, torn: bool) -> None:
+        """
+        End `gen` and run the waiting preemption (lock held, on the generation thread).
+
+        torn=True: a forward was abandoned half-way, so the turn ends uncommitted and the
+        live state must be replaced; if the preemption fails anyway (it was checked before
+        it was armed) the last committed boundary is put back instead.
+        """
+        request = self._preempt
+        self._finish(gen, 'interrupted', commit=not torn)
+        try:
+            request.result = request.run(torn)
+        except Exception as exc:
+            request.error = exc
+            if torn:
+                self._recover_torn()
+        request.done = True
+
+    def _recover_torn(self) -> None:
+        """Replace a half-updated state: the newest committed boundary, else a reset."""
+        if self._ring and self.config.rollback_depth > 0:
+            boundary = self._ring[-1]
+            self._apply(boundary, self._check_capsule(boundary))
+        else:
+            self.reset()
+
+    def _preempt_with(self, run) -> CapsuleInfo:
+        """Run run(torn) with the step lock held, ending a running generation first."""
+        request = _Preemption(run)
+        with self._preempt_lock:
+            self._preempt = request  # the next module boundary of a running step aborts it
+            try:
+                with self._lock:
+                    self._preempt = None
+                    if not request.done:  # no step was running: a boundary or idle
+                        self._check_open()
+                        if self._active is not None:
+                            self._finish(self._active, 'interrupted')
+                        return run(False)
+            finally:
+                self._preempt = None
+        if request.error is not None:
+            raise request.error
+        return request.result
+
+    def _step(self, gen: Generation) -> TokenEvent:
+        """One step of a generation (lock held): the prompt first, then a token per call."""
+        s = gen.sampling
+        if not gen.started:
+            gen.started, gen.t_start = True, time.perf_counter()
+            if s.seed is not None:
+                self.generator.manual_seed(s.seed)
+            if gen.prompt_ids is not None:
+                try:
+                    self._abortable = True
+                    self._prefill_ids(gen.prompt_ids)
+                except FlashRTError:
+                    self._release(gen)
+                    raise
+                finally:
+                    self._abortable = False
+                self._commit()  # end of prefill is a committed boundary
+        if self._interrupt.is_set():
+            self._finish(gen, 'interrupted')
+        elif len(gen.token_ids) >= s.max_new_tokens:
+            self._finish(gen, 'max_tokens')
+        elif self._pending is not None and self.position >= self.config.max_seq_len:
+            self._finish(gen, 'max_seq_len')
+        if gen.result is not None:
+            raise StopIteration
+        if self._pending is not None:
+            self._abortable = True
+            try:
                 self._feed(self._pending)
-                self._pending = None
-            token = self.engine.sample(s.temperature, s.top_k, s.top_p, self.generator)
-            self._pending = token
-            now = time.perf_counter()
-            if not gen.token_ids:
-                gen.t_first = now
-            if s.eos and token in self.tokenizer.eos_token_ids:
-                self._finish(gen, 'eos')
-                raise StopIteration
-            gen.token_ids.append(token)
-            full = self.tokenizer.decode(gen.token_ids)
-            reason = (
-                'stop_string'
-                if any(x in full for x in s.stop)
-                else 'max_tokens' if len(gen.token_ids) >= s.max_new_tokens else None
-            )
-            # Hold back a trailing U+FFFD while more tokens may follow: it can be a multi-byte
-            # character cut in the middle. The last event flushes everything.
-            stable = full if reason else full.rstrip('\ufffd')
-            piece = stable[len(gen.emitted_text):] if stable.startswith(gen.emitted_text) else ''
-            if piece:
-                gen.emitted_text = stable
-            if reason:
-                self._finish(gen, reason)
-            return TokenEvent(len(gen.token_ids) - 1, token, piece)
+            finally:
+                self._abortable = False
+            self._pending = None
+        token = self.engine.sample(s.temperature, s.top_k, s.top_p, self.generator)
+        self._pending = token
+        now = time.perf_counter()
+        if not gen.token_ids:
+            gen.t_first = now
+        if s.eos and token in self.tokenizer.eos_token_ids:
+            self._finish(gen, 'eos')
+            raise StopIteration
+        gen.token_ids.append(token)
+        full = self.tokenizer.decode(gen.token_ids)
+        reason = (
+            'stop_string'
+            if any(x in full for x in s.stop)
+            else 'max_tokens' if len(gen.token_ids) >= s.max_new_tokens else None
+        )
+        # Hold back a trailing U+FFFD while more tokens may follow: it can be a multi-byte
+        # character cut in the middle. The last event flushes everything.
+        stable = full if reason else full.rstrip('\ufffd')
+        piece = stable[len(gen.emitted_text):] if stable.startswith(gen.emitted_text) else ''
+        if piece:
+            gen.emitted_text = stable
+        if reason:
+            self._finish(gen, reason)
+        return TokenEvent(len(gen.token_ids) - 1, token, piece)
 
     def _release(self, gen: Generation) -> None:
         if self._active is gen:
             self._active = None
             self._interrupt.clear()
 
-    def _finish(self, gen: Generation, reason: str) -> None:
+    def _finish(self, gen: Generation, reason: str, commit: bool = True) -> None:
         """End of turn: build the result, commit the boundary, free the writer slot."""
         with self._lock:
             if gen.result is not None:
@@ -583,7 +674,7 @@ class Runtime:
             )
             if tps > 0:
                 self._decode_tps = tps
-            if gen.started and self._active is gen and not self._closed:
+            if commit and gen.started and self._active is gen and not self._closed:
                 self._commit()  # end of turn is a committed boundary
             self._release(gen)
 
@@ -658,12 +749,14 @@ class Runtime:
         stored = self.store.put(cap)
         return stored.info(time.perf_counter() - t0)
 
-    def restore(self, name: str, mode: str = 'full') -> CapsuleInfo:
+    def restore(self, name: str, mode: str = 'full', preempt: bool = False) -> CapsuleInfo:
         """
         Make capsule `name` the live state, all-or-nothing.
 
         mode 'kv_only' is the ablation: it restores everything except the recurrent and
-        conv state.
+        conv state. preempt=True ends a running generation in the middle of its step instead
+        of raising BusyError (see Preemption above); the capsule is fetched and checked
+        before anything is stopped, so a bad one leaves the generation running.
         """
         validate_name(name)
         if mode not in ('full', 'kv_only'):
@@ -671,43 +764,54 @@ class Runtime:
                 f"restore mode {mode!r} is not valid; use 'full' or 'kv_only'"
             )
         t0 = time.perf_counter()
-        with self._lock:
-            self._check_idle()
+        if preempt:
+            if mode != 'full':
+                raise InvalidRequestError('preempt needs a full restore (mode kv_only would '
+                                          'keep the recurrent state of the abandoned step)')
             cap = self.store.get(name)  # disk capsules are checksum-verified here
             meta = self._check_capsule(cap)
-            kinds = None if mode == 'full' else set(self.arena.kinds) - KV_ONLY_SKIPS
-            blob = self._apply(cap, meta, kinds)
-            if self.config.rollback_depth > 0:
-                # The restored state is a committed boundary. A device capsule is immutable, so
-                # the ring can hold the capsule itself (no copy). After a full restore the
-                # device-side blob _apply copied from is the state too: a host capsule's blob
-                # (immutable, on a CPU runtime) or the fresh device copy of a host/disk blob.
-                # A disk blob read on a CPU runtime maps the file, so that one is copied in,
-                # as is the mixed state a kv_only restore leaves.
-                if mode == 'full' and cap.tier == 'device':
-                    entry = cap
-                elif mode == 'full' and (cap.tier == 'host' or blob is not cap.blob):
-                    entry = Capsule(
-                        name=f'@boundary-{self.position}',
-                        tier='device',
-                        blob=blob,
-                        packing=cap.packing,
-                        manifest=self.arena.manifest,
-                        fingerprint=self.fingerprint,
-                        position=self.position,
-                        meta_json=cap.meta_json,
-                        components=self._components,
-                    )
-                    entry.restore_cache['meta'] = meta
-                else:
-                    entry = self._capture(f'@boundary-{self.position}', 'device', whole=False)
-                self._ring.append(entry)
-            if self.device.type == 'cuda':
-                torch.cuda.synchronize(self.device)  # the info's latency covers the copy itself
-            dt = time.perf_counter() - t0
-            self._last_restore_s = dt
-            self._restore_times.append(dt)
-            return cap.info(dt)
+            return self._preempt_with(lambda torn: self._restore_checked(cap, meta, mode, t0))
+        with self._lock:
+            self._check_idle()
+            cap = self.store.get(name)
+            return self._restore_checked(cap, meta=self._check_capsule(cap), mode=mode, t0=t0)
+
+    def _restore_checked(self, cap: Capsule, meta: dict, mode: str, t0: float) -> CapsuleInfo:
+        """Apply a checked capsule, push the boundary, time it (lock held)."""
+        self._check_open()
+        kinds = None if mode == 'full' else set(self.arena.kinds) - KV_ONLY_SKIPS
+        blob = self._apply(cap, meta, kinds)
+        if self.config.rollback_depth > 0:
+            # The restored state is a committed boundary. A device capsule is immutable, so
+            # the ring can hold the capsule itself (no copy). After a full restore the
+            # device-side blob _apply copied from is the state too: a host capsule's blob
+            # (immutable, on a CPU runtime) or the fresh device copy of a host/disk blob.
+            # A disk blob read on a CPU runtime maps the file, so that one is copied in,
+            # as is the mixed state a kv_only restore leaves.
+            if mode == 'full' and cap.tier == 'device':
+                entry = cap
+            elif mode == 'full' and (cap.tier == 'host' or blob is not cap.blob):
+                entry = Capsule(
+                    name=f'@boundary-{self.position}',
+                    tier='device',
+                    blob=blob,
+                    packing=cap.packing,
+                    manifest=self.arena.manifest,
+                    fingerprint=self.fingerprint,
+                    position=self.position,
+                    meta_json=cap.meta_json,
+                    components=self._components,
+                )
+                entry.restore_cache['meta'] = meta
+            else:
+                entry = self._capture(f'@boundary-{self.position}', 'device', whole=False)
+            self._ring.append(entry)
+        if self.device.type == 'cuda':
+            torch.cuda.synchronize(self.device)  # the info's latency covers the copy itself
+        dt = time.perf_counter() - t0
+        self._last_restore_s = dt
+        self._restore_times.append(dt)
+        return cap.info(dt)
 
     def fork(self, source: str, target: str, tier: str | None = None) -> CapsuleInfo:
         """Copy capsule `source` to a new name (optionally another tier); live state untouched."""
@@ -723,41 +827,59 @@ class Runtime:
         stored = self.store.put(new)
         return stored.info(time.perf_counter() - t0)
 
-    def rollback(self, boundaries: int = 1) -> CapsuleInfo:
-        """Return to the committed boundary `boundaries` back on the ring; drop newer ones."""
+    def rollback(self, boundaries: int = 1, preempt: bool = False) -> CapsuleInfo:
+        """
+        Return to the committed boundary `boundaries` back on the ring; drop newer ones.
+
+        preempt=True ends a running generation mid-step instead of raising BusyError; its
+        uncommitted tokens are not a boundary, so rollback(1) lands on the newest committed
+        one (the end of the turn's prompt), as it does after a plain interrupt.
+        """
         if isinstance(boundaries, bool) or not isinstance(boundaries, int) or boundaries < 1:
             raise InvalidRequestError('boundaries must be an integer >= 1')
         t0 = time.perf_counter()
+        if preempt:
+            self._check_rollback(boundaries)  # the ring only grows until the lock is ours
+            return self._preempt_with(lambda torn: self._rollback_locked(boundaries, t0, torn))
         with self._lock:
             self._check_idle()
-            if self.config.rollback_depth <= 0:
-                raise InvalidRequestError('rollback is disabled (rollback_depth is 0)')
-            # The ring's newest entry is the live state's own boundary (every change ends in a
-            # commit).
-            if boundaries >= len(self._ring):
-                raise InvalidRequestError(
-                    f'only {len(self._ring) - 1} earlier boundaries are kept; '
-                    f'raise rollback_depth to go further back'
-                )
-            target = self._ring[-1 - boundaries]
-            meta = self._check_capsule(target)
-            self._apply(target, meta)
-            for _ in range(boundaries):
-                self._ring.pop()
-            dt = time.perf_counter() - t0
-            info = target.info(dt)
-            return CapsuleInfo(
-                f'@boundary-{target.position}',
-                'device',
-                info.nbytes,
-                info.position,
-                info.created,
-                info.checksum,
-                info.fingerprint,
-                info.components,
-                False,
-                dt,
+            return self._rollback_locked(boundaries, t0, torn=False)
+
+    def _check_rollback(self, boundaries: int) -> None:
+        if self.config.rollback_depth <= 0:
+            raise InvalidRequestError('rollback is disabled (rollback_depth is 0)')
+        # The ring's newest entry is the live state's own boundary (every change ends in a
+        # commit).
+        if boundaries >= len(self._ring):
+            raise InvalidRequestError(
+                f'only {len(self._ring) - 1} earlier boundaries are kept; '
+                f'raise rollback_depth to go further back'
             )
+
+    def _rollback_locked(self, boundaries: int, t0: float, torn: bool) -> CapsuleInfo:
+        """Roll back (lock held); torn: the live state is past the newest boundary, uncommitted."""
+        self._check_open()
+        skip = boundaries - 1 if torn else boundaries  # ring entries newer than the target
+        self._check_rollback(skip)
+        target = self._ring[-1 - skip]
+        meta = self._check_capsule(target)
+        self._apply(target, meta)
+        for _ in range(skip):
+            self._ring.pop()
+        dt = time.perf_counter() - t0
+        info = target.info(dt)
+        return CapsuleInfo(
+            f'@boundary-{target.position}',
+            'device',
+            info.nbytes,
+            info.position,
+            info.created,
+            info.checksum,
+            info.fingerprint,
+            info.components,
+            False,
+            dt,
+        )
 
     def list_capsules(self, tier: str | None = None) -> list[CapsuleInfo]:
         if tier is not None:

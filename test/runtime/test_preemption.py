@@ -1,0 +1,171 @@
+"""restore/rollback(preempt=True): a running step is abandoned mid-forward and replaced."""
+
+import threading
+
+from conftest import FAMILIES, greedy, PROMPT
+from flashrt_ros.runtime import CapsuleNotFoundError, InvalidRequestError
+import pytest
+
+OTHER = ' and then the arm moves on to the blue one'
+
+
+def _layers(rt):
+    return rt.adapter.model.get_decoder().layers
+
+
+class _PreemptInsideStep:
+    """
+    Start `call` on another thread from inside the model's forward, at `layer`.
+
+    The forward waits until the preemption is armed and then goes on, so the next module
+    boundary abandons the step: the torn path, deterministically. `after` counts forward
+    calls of the last layer once it fired (0 means the step really stopped half-way).
+    """
+
+    def __init__(self, rt, call, layer=1, skip=0):
+        self.rt, self.call, self.skip = rt, call, skip
+        self.thread, self.result, self.error, self.after = None, None, None, 0
+        layers = _layers(rt)
+        self.handles = [layers[layer].register_forward_pre_hook(self._fire),
+                        layers[-1].register_forward_hook(self._count)]
+
+    def _fire(self, module, args):
+        if self.skip:
+            self.skip -= 1
+            return
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run)
+            self.thread.start()
+            while self.rt._preempt is None and self.thread.is_alive():  # armed
+                self.thread.join(0.001)
+
+    def _count(self, module, args, output):
+        self.after += self.thread is not None
+
+    def _run(self):
+        try:
+            self.result = self.call()
+        except Exception as exc:
+            self.error = exc
+
+    def join(self):
+        for h in self.handles:
+            h.remove()
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+@pytest.mark.parametrize('model', FAMILIES)
+def test_preempting_restore_abandons_the_step_and_restores_exactly(make_runtime, model):
+    rt = make_runtime(model)
+    rt.prefill(PROMPT)
+    rt.snapshot('home')
+    home = rt.state_digest()
+    reference = greedy(rt, 12)
+    rt.restore('home')
+    gen = rt.generate(prompt=OTHER, max_new_tokens=50, stop=(), eos=False)
+    next(gen), next(gen), next(gen)
+    probe = _PreemptInsideStep(rt, lambda: rt.restore('home', preempt=True))
+    with pytest.raises(StopIteration):
+        next(gen)
+    probe.join()
+    assert probe.error is None and probe.result.name == 'home'
+    assert probe.after == 0  # the step never reached its last layer
+    assert gen.result.stop_reason == 'interrupted' and len(gen.result.token_ids) == 3
+    assert not rt.generating
+    assert rt.state_digest() == home  # every byte, incl. the rows the torn step wrote
+    assert greedy(rt, 12) == reference
+
+
+def test_preempting_a_long_prompt_cuts_its_prefill_short(make_runtime):
+    rt = make_runtime(max_seq_len=512)
+    rt.prefill(PROMPT)
+    rt.snapshot('home')
+    home, position = rt.state_digest(), rt.position
+    gen = rt.generate(prompt=OTHER * 8, max_new_tokens=5, stop=(), eos=False)
+    probe = _PreemptInsideStep(rt, lambda: rt.rollback(1, preempt=True), layer=0)
+    with pytest.raises(StopIteration):
+        next(gen)  # the prompt's prefill is abandoned: no token at all
+    probe.join()
+    assert probe.error is None and probe.after == 0
+    assert gen.result.token_ids == [] and gen.result.stop_reason == 'interrupted'
+    # The abandoned prompt was never committed: one boundary back is where it started.
+    assert probe.result.position == rt.position == position
+    assert rt.state_digest() == home
+
+
+def test_preempting_rollback_mid_turn_lands_on_the_end_of_the_prompt(make_runtime):
+    rt = make_runtime()
+    rt.prefill(PROMPT)
+    rt.prefill(OTHER)
+    after_prompt = rt.state_digest()
+    rt.rollback(1)
+    gen = rt.generate(prompt=OTHER, max_new_tokens=50, stop=(), eos=False)
+    next(gen), next(gen)
+    probe = _PreemptInsideStep(rt, lambda: rt.rollback(1, preempt=True))
+    with pytest.raises(StopIteration):
+        next(gen)
+    probe.join()
+    assert probe.error is None and probe.after == 0
+    # The same place a plain interrupt + rollback(1) reaches.
+    assert rt.state_digest() == after_prompt
+    rt.rollback(1)  # and the ring below it is intact
+    assert rt.position == len(rt.tokenize(PROMPT))
+
+
+def test_preempt_between_steps_and_when_idle(make_runtime):
+    rt = make_runtime()
+    rt.prefill(PROMPT)
+    rt.snapshot('home')
+    home = rt.state_digest()
+    gen = rt.generate(prompt=OTHER, max_new_tokens=50, stop=(), eos=False)
+    next(gen)
+    info = rt.restore('home', preempt=True)  # same thread, between two steps
+    assert info.name == 'home' and gen.result.stop_reason == 'interrupted'
+    with pytest.raises(StopIteration):
+        next(gen)
+    assert rt.state_digest() == home
+    rt.prefill(OTHER)
+    rt.restore('home', preempt=True)  # nothing runs: a plain restore
+    assert rt.state_digest() == home
+    rt.prefill(OTHER)
+    rt.rollback(1, preempt=True)
+    assert rt.state_digest() == home
+
+
+def test_a_bad_preemption_leaves_the_generation_running(make_runtime):
+    rt = make_runtime()
+    rt.prefill(PROMPT)
+    rt.snapshot('home')
+    reference = greedy(rt, 6, prompt=OTHER)
+    rt.restore('home')
+    gen = rt.generate(prompt=OTHER, max_new_tokens=6, stop=(), eos=False)
+    got = [next(gen).token_id]
+    with pytest.raises(CapsuleNotFoundError):
+        rt.restore('nope', preempt=True)
+    with pytest.raises(InvalidRequestError, match='full restore'):
+        rt.restore('home', mode='kv_only', preempt=True)
+    with pytest.raises(InvalidRequestError, match='earlier boundaries'):
+        rt.rollback(99, preempt=True)
+    assert rt.generating
+    got += [e.token_id for e in gen]
+    assert got == reference and gen.result.stop_reason == 'max_tokens'
+
+
+def test_a_preemption_waits_for_no_longer_than_the_step_it_cuts(make_runtime):
+    # Two threads: the stream, and a preemptor that fires while the stream runs freely.
+    rt = make_runtime(max_seq_len=4096)
+    rt.prefill(PROMPT)
+    rt.snapshot('home')
+    home = rt.state_digest()
+    for _ in range(3):
+        gen = rt.generate(prompt=OTHER, max_new_tokens=4000, stop=(), eos=False)
+        out = []
+        thread = threading.Thread(target=lambda: out.extend(gen))
+        thread.start()
+        while len(out) < 4:
+            thread.join(0.001)
+        rt.restore('home', preempt=True)
+        thread.join(30)
+        assert not thread.is_alive() and gen.result.stop_reason == 'interrupted'
+        assert rt.state_digest() == home and not rt.generating
