@@ -178,9 +178,8 @@ class _Run:
                                   (self.arena_offset + start * self.row) // w)
 
     def blob_view(self, blob: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        count, outer, run = self.shape
         piece = blob[self.blob_offset:self.blob_offset + self.nbytes].view(dtype or self.word())
-        return piece.view(count, outer, -1)
+        return piece.view(self.count, self.outer, -1)
 
 
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))

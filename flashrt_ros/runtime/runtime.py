@@ -43,6 +43,7 @@ are the same code for both modes.
 from __future__ import annotations
 
 import collections
+import contextlib
 from dataclasses import dataclass
 import hashlib
 import json
@@ -540,7 +541,6 @@ class Runtime:
             try:
                 return self._step(gen)
             except StepAborted:
-                self._abortable = False
                 self._serve_preemption(gen, torn=True)
                 raise StopIteration from None
 
@@ -589,6 +589,15 @@ class Runtime:
             raise request.error
         return request.result
 
+    @contextlib.contextmanager
+    def _abortable_forward(self):
+        """Let a waiting preemption abandon the forward run inside (StepAborted)."""
+        self._abortable = True
+        try:
+            yield
+        finally:
+            self._abortable = False
+
     def _step(self, gen: Generation) -> TokenEvent:
         """One step of a generation (lock held): the prompt first, then a token per call."""
         s = gen.sampling
@@ -598,13 +607,11 @@ class Runtime:
                 self.generator.manual_seed(s.seed)
             if gen.prompt_ids is not None:
                 try:
-                    self._abortable = True
-                    self._prefill_ids(gen.prompt_ids)
+                    with self._abortable_forward():
+                        self._prefill_ids(gen.prompt_ids)
                 except FlashRTError:
                     self._release(gen)
                     raise
-                finally:
-                    self._abortable = False
                 self._commit()  # end of prefill is a committed boundary
         if self._interrupt.is_set():
             self._finish(gen, 'interrupted')
@@ -615,11 +622,8 @@ class Runtime:
         if gen.result is not None:
             raise StopIteration
         if self._pending is not None:
-            self._abortable = True
-            try:
+            with self._abortable_forward():
                 self._feed(self._pending)
-            finally:
-                self._abortable = False
             self._pending = None
         token = self.engine.sample(s.temperature, s.top_k, s.top_p, self.generator)
         self._pending = token
