@@ -290,30 +290,28 @@ class CapsuleStore:
 
     def get(self, name: str) -> Capsule:
         """Return the capsule with its blob in memory; disk ones are read and verified."""
-        validate_name(name)
-        with self._lock:
-            cap = self._mem.get(name)
-            if cap is not None:
-                cap.last_used = time.monotonic()
-                return cap
-            path = self._path(name)
-            if not path.is_file():
-                raise _not_found(name)
-            cap = self._read_disk(name, path)
-            os.utime(path)  # mtime is the disk tier's LRU clock
-            return cap
+        return self._lookup(name, header_only=False)
 
     def peek(self, name: str) -> Capsule:
         """Like get, but a disk capsule comes back header-only (blob None, not verified)."""
+        return self._lookup(name, header_only=True)
+
+    def _lookup(self, name: str, header_only: bool) -> Capsule:
+        """Find `name` in memory or on disk; a full lookup counts as a use (LRU clocks)."""
         validate_name(name)
         with self._lock:
             cap = self._mem.get(name)
             if cap is not None:
+                if not header_only:
+                    cap.last_used = time.monotonic()
                 return cap
             path = self._path(name)
             if not path.is_file():
                 raise _not_found(name)
-            return self._read_disk(name, path, header_only=True)
+            cap = self._read_disk(name, path, header_only=header_only)
+            if not header_only:
+                os.utime(path)  # mtime is the disk tier's LRU clock
+            return cap
 
     def delete(self, name: str) -> CapsuleInfo:
         validate_name(name)

@@ -228,21 +228,23 @@ class CacheBinding:
             if 'cumulative_length_int' in d:
                 layer.cumulative_length_int = int(d['cumulative_length_int'])
 
-    def reset_meta(self) -> None:
+    def _set_previous_state(self, flag: bool) -> None:
+        """Mark every linear-attention state as (not) holding a previous step."""
         cu = _cache_classes()
         for layer in self.cache.layers:
             if isinstance(layer, cu.LinearAttentionLayer):
                 for s in range(layer.number_of_states):
-                    layer.has_previous_state[s] = False
+                    layer.has_previous_state[s] = flag
+
+    def reset_meta(self) -> None:
+        self._set_previous_state(False)
+        cu = _cache_classes()
+        for layer in self.cache.layers:
             if isinstance(layer, cu.StaticSlidingWindowLayer):
                 layer.cumulative_length_int = 0
 
     def prepare_capture(self) -> None:
-        cu = _cache_classes()
-        for layer in self.cache.layers:
-            if isinstance(layer, cu.LinearAttentionLayer):
-                for s in range(layer.number_of_states):
-                    layer.has_previous_state[s] = True
+        self._set_previous_state(True)
 
     def decode_ready(self) -> bool:
         cu = _cache_classes()
