@@ -36,6 +36,7 @@ Policy mode (parameter `mode: policy`, a policy model such as builtin:tiny-polic
 import collections
 import contextlib
 import gc
+import queue
 import signal
 import sys
 import threading
@@ -53,9 +54,11 @@ from rcl_interfaces.msg import ParameterType, SetParametersResult
 import rclpy
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
+from rclpy.event_handler import PublisherEventCallbacks, SubscriptionEventCallbacks
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
-from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
+from rclpy.qos import DurabilityPolicy, HistoryPolicy, qos_policy_name_from_kind
+from rclpy.qos import QoSProfile, ReliabilityPolicy
 from rclpy.signals import SignalHandlerOptions
 from sensor_msgs.msg import JointState
 from std_msgs.msg import Empty, Float32MultiArray, String
@@ -107,6 +110,20 @@ OBSERVATION_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1,
 # - ~/actions and ~/joint_trajectory: RELIABLE, a short queue: a controller needs every
 #   chunk in order, and a stalled one should not pile up stale actions.
 ACTIONS_QOS = COMMAND_QOS
+# No QoS event handlers on the node's topics except ~/interrupt: rclpy adds two per publisher
+# and subscription by default (incompatible QoS, incompatible type), each a waitable that the
+# executor walks on every wake-up - 20 of the node's 49 entities, about 0.2 ms per service
+# call. The peer's own default handlers still report a mismatch on its side.
+# The executor, the generation thread and torch share the GIL; Python's default 5 ms switch
+# interval would let a callback wait several intervals for a decoding thread to let go. The
+# executable (main) switches between two intervals: 0.1 ms while a turn decodes, so that an
+# interrupt is dispatched and preempts quickly (fig5: p99 about 2 ms lower than at 0.5 ms),
+# and 0.5 ms otherwise, because with nothing decoding a shorter interval makes the executor
+# thread and a service callback trade the GIL back and forth (about 0.3 ms more per call).
+SWITCH_INTERVAL_DECODING_S = 0.0001
+SWITCH_INTERVAL_IDLE_S = 0.0005
+NO_PUB_EVENTS = PublisherEventCallbacks(use_default_callbacks=False)
+NO_SUB_EVENTS = SubscriptionEventCallbacks(use_default_callbacks=False)
 
 
 def _descriptor(description, *, read_only=False, integer=None, floating=None, ptype=None,
@@ -157,12 +174,14 @@ def _joint_state_vector(msg, names):
     return values
 
 
-def _info_msg(info):
-    """Convert a runtime CapsuleInfo to the CapsuleInfo message."""
-    return CapsuleInfo(name=info.name, tier=info.tier, size_bytes=int(info.nbytes),
-                       position=int(info.position), created=_stamp(info.created),
-                       checksum=info.checksum, fingerprint=info.fingerprint,
-                       components=list(info.components), pinned=bool(info.pinned))
+def _info_msg(info, msg=None):
+    """Fill msg (a new CapsuleInfo message by default) from a runtime CapsuleInfo."""
+    msg = CapsuleInfo() if msg is None else msg
+    msg.name, msg.tier, msg.size_bytes = info.name, info.tier, int(info.nbytes)
+    msg.position, msg.created = int(info.position), _stamp(info.created)
+    msg.checksum, msg.fingerprint = info.checksum, info.fingerprint
+    msg.components, msg.pinned = list(info.components), bool(info.pinned)
+    return msg
 
 
 class _Turn:
@@ -195,8 +214,12 @@ class FlashRTNode(LifecycleNode):
         self._reserved = 0                  # accepted turns not finished (queued + running)
         self._worker = None
         self._worker_stop = False
+        self.tune_switch_interval = False  # main() sets it: see SWITCH_INTERVAL_DECODING_S
         self._turns_by_goal = {}
         self._turn_id = 0
+        self._event_queue = queue.SimpleQueue()
+        self._event_thread = threading.Thread(target=self._event_loop, name='flashrt-events',
+                                              daemon=True)
         # Policy mode, touched only from the state group.
         self._latest_observation = None     # newest valid observation (timer stepping)
         self._interrupted_at = 0.0          # receipt time of the last interrupt/reset
@@ -207,16 +230,19 @@ class FlashRTNode(LifecycleNode):
         self._action_group = ReentrantCallbackGroup()
 
         # Lifecycle publishers only publish while the node is active.
-        self._tokens_pub = self.create_lifecycle_publisher(TokenChunk, '~/tokens', STREAM_QOS)
-        self._events_pub = self.create_lifecycle_publisher(CapsuleEvent, '~/events', STREAM_QOS)
-        self._actions_pub = self.create_lifecycle_publisher(ActionChunk, '~/actions',
-                                                            ACTIONS_QOS)
+        self._tokens_pub = self.create_lifecycle_publisher(
+            TokenChunk, '~/tokens', STREAM_QOS, event_callbacks=NO_PUB_EVENTS)
+        self._events_pub = self.create_lifecycle_publisher(
+            CapsuleEvent, '~/events', STREAM_QOS, event_callbacks=NO_PUB_EVENTS)
+        self._actions_pub = self.create_lifecycle_publisher(
+            ActionChunk, '~/actions', ACTIONS_QOS, event_callbacks=NO_PUB_EVENTS)
         self._trajectory_pub = None
         if self.get_parameter('publish_joint_trajectory').value:
             self._trajectory_pub = self.create_lifecycle_publisher(
-                JointTrajectory, '~/joint_trajectory', ACTIONS_QOS)
+                JointTrajectory, '~/joint_trajectory', ACTIONS_QOS, event_callbacks=NO_PUB_EVENTS)
         # Diagnostics report in every state (also why the node is not active).
-        self._diag_pub = self.create_publisher(DiagnosticArray, '/diagnostics', DIAGNOSTICS_QOS)
+        self._diag_pub = self.create_publisher(DiagnosticArray, '/diagnostics', DIAGNOSTICS_QOS,
+                                               event_callbacks=NO_PUB_EVENTS)
 
         state, query = self._state_group, self._query_group
         self.create_service(Snapshot, '~/snapshot', self._snapshot_callback, callback_group=state)
@@ -237,18 +263,23 @@ class FlashRTNode(LifecycleNode):
             handle_accepted_callback=self._handle_accepted_callback,
             cancel_callback=self._cancel_callback)
 
-        self.create_subscription(String, '~/prompt', self._prompt_callback, COMMAND_QOS,
-                                 callback_group=state)
-        self.create_subscription(Interrupt, '~/interrupt', self._interrupt_callback,
-                                 INTERRUPT_QOS, callback_group=state)
-        self.create_subscription(Empty, '~/reset', self._reset_callback, COMMAND_QOS,
-                                 callback_group=state)
-        self.create_subscription(JointState, '~/observation', self._joint_state_callback,
-                                 OBSERVATION_QOS, callback_group=state)
-        self.create_subscription(Float32MultiArray, '~/observation_vector',
-                                 self._vector_callback, OBSERVATION_QOS, callback_group=state)
+        subscriptions = (
+            (String, '~/prompt', self._prompt_callback, COMMAND_QOS),
+            (Interrupt, '~/interrupt', self._interrupt_callback, INTERRUPT_QOS),
+            (Empty, '~/reset', self._reset_callback, COMMAND_QOS),
+            (JointState, '~/observation', self._joint_state_callback, OBSERVATION_QOS),
+            (Float32MultiArray, '~/observation_vector', self._vector_callback, OBSERVATION_QOS),
+        )
+        for msg_type, topic, callback, qos in subscriptions:
+            events = NO_SUB_EVENTS
+            if topic == '~/interrupt':  # a silent mismatch here would lose every interrupt
+                events = SubscriptionEventCallbacks(
+                    incompatible_qos=self._interrupt_qos_mismatch, use_default_callbacks=False)
+            self.create_subscription(msg_type, topic, callback, qos, callback_group=state,
+                                     event_callbacks=events)
         period = self.get_parameter('diagnostics_period').value
         self.create_timer(period, self._diagnostics_callback, callback_group=query)
+        self._event_thread.start()
 
     # ---- parameters ------------------------------------------------------------------
 
@@ -486,15 +517,37 @@ class FlashRTNode(LifecycleNode):
     # ---- events and errors -----------------------------------------------------------
 
     def _publish_event(self, operation, name, tier, size_bytes, latency_ms, success, message):
+        """Queue a CapsuleEvent, stamped now, for the events thread to publish (in order)."""
         if not self._active:
             return
         rt = self._runtime
-        event = CapsuleEvent(operation=operation, name=name or '', tier=tier or '',
-                             size_bytes=max(0, int(size_bytes)), latency_ms=float(latency_ms),
-                             position=int(rt.position) if rt is not None else 0,
-                             success=bool(success), message=message)
-        event.header.stamp = self.get_clock().now().to_msg()
-        self._events_pub.publish(event)
+        fields = {'operation': operation, 'name': name or '', 'tier': tier or '',
+                  'size_bytes': max(0, int(size_bytes)), 'latency_ms': float(latency_ms),
+                  'position': int(rt.position) if rt is not None else 0,
+                  'success': bool(success), 'message': message}
+        self._event_queue.put((fields, self.get_clock().now()))
+
+    def _event_loop(self):
+        """
+        Publish queued events until None arrives (the events thread).
+
+        Building and publishing a CapsuleEvent takes 50-150 us; done here, it is off the
+        path of the service response that reports the same operation.
+        """
+        while (item := self._event_queue.get()) is not None:
+            fields, stamp = item
+            event = CapsuleEvent(**fields)
+            event.header.stamp = stamp.to_msg()
+            try:
+                self._events_pub.publish(event)
+            except Exception as exc:  # e.g. the context shut down under us
+                self.get_logger().warning(f'could not publish a capsule event: {exc!r}')
+
+    def destroy_node(self):
+        """Stop the events thread, then destroy the node."""
+        self._event_queue.put(None)
+        self._event_thread.join(timeout=2.0)
+        super().destroy_node()
 
     def _serve(self, operation, name, tier, response, op):
         """Run op() -> (info, message) and fill response; every failure -> success=false."""
@@ -570,7 +623,7 @@ class FlashRTNode(LifecycleNode):
 
         def op():
             info = self._runtime.snapshot(request.name, tier, request.pinned)
-            response.capsule = _info_msg(info)
+            _info_msg(info, response.capsule)
             response.latency_ms = info.latency_s * 1e3
             return info, (f'snapshot {info.name!r}: {info.nbytes} bytes in {info.tier} at '
                           f'position {info.position}, {response.latency_ms:.3f} ms')
@@ -582,7 +635,7 @@ class FlashRTNode(LifecycleNode):
         def op():
             with self._exclusive():
                 info = self._runtime.restore(request.name, mode)
-            response.capsule = _info_msg(info)
+            _info_msg(info, response.capsule)
             response.latency_ms = info.latency_s * 1e3
             return info, (f'restored {info.name!r} ({mode}) from {info.tier}: position '
                           f'{info.position}, {response.latency_ms:.3f} ms')
@@ -591,7 +644,7 @@ class FlashRTNode(LifecycleNode):
     def _fork_callback(self, request, response):
         def op():
             info = self._runtime.fork(request.source, request.target, request.tier or None)
-            response.capsule = _info_msg(info)
+            _info_msg(info, response.capsule)
             response.latency_ms = info.latency_s * 1e3
             return info, (f'forked {request.source!r} -> {info.name!r} in {info.tier} '
                           f'({info.nbytes} bytes), {response.latency_ms:.3f} ms')
@@ -603,7 +656,7 @@ class FlashRTNode(LifecycleNode):
         def op():
             with self._exclusive():
                 info = self._runtime.rollback(boundaries)
-            response.capsule = _info_msg(info)
+            _info_msg(info, response.capsule)
             response.position = int(info.position)
             response.latency_ms = info.latency_s * 1e3
             return info, (f'rolled back {boundaries} boundaries to position {info.position}, '
@@ -661,6 +714,13 @@ class FlashRTNode(LifecycleNode):
                     'restore_home': Interrupt.RESTORE}[self._param('interrupt_policy')]
         self._stop_and_apply('interrupt', mode, max(1, msg.boundaries),
                              msg.capsule or self._param('home_capsule'), msg.reason, received)
+
+    def _interrupt_qos_mismatch(self, event):
+        policy = qos_policy_name_from_kind(event.last_policy_kind)
+        self.get_logger().error(
+            f'a publisher on ~/interrupt offers QoS incompatible with this subscription '
+            f'(policy {policy}): none of its interrupts will arrive. Publish them RELIABLE, '
+            'VOLATILE (flashrt_ros.client.INTERRUPT_QOS).')
 
     def _reset_callback(self, msg, msg_info):
         received = self._received_time(msg_info)
@@ -948,6 +1008,8 @@ class FlashRTNode(LifecycleNode):
                     return
                 turn = self._queue.popleft()
                 self._current = turn
+            if self.tune_switch_interval:
+                sys.setswitchinterval(SWITCH_INTERVAL_DECODING_S)
             try:
                 self._run_turn(turn)
             except Exception as exc:  # a bug: end the turn with an error, keep the thread
@@ -962,6 +1024,8 @@ class FlashRTNode(LifecycleNode):
                     self._current = None
                     self._reserved -= 1
                     self._cv.notify_all()
+                    if self.tune_switch_interval and not self._queue:
+                        sys.setswitchinterval(SWITCH_INTERVAL_IDLE_S)
                 turn.done.set()
 
     def _run_turn(self, turn):
@@ -1128,10 +1192,7 @@ def main(args=None):
     # rclpy's own handlers are off: a node started in the background from a non-interactive
     # shell inherits SIGINT as ignored, so install handlers explicitly for both signals.
     rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
-    # The executor, the generation thread and torch share the GIL. With Python's default
-    # 5 ms switch interval an interrupt or service callback can wait several intervals for
-    # the generation thread to let go; 0.5 ms keeps the interrupt p99 near one decode step.
-    sys.setswitchinterval(0.0005)
+    sys.setswitchinterval(SWITCH_INTERVAL_IDLE_S)
     stop = threading.Event()
 
     def request_stop(signum, frame):
@@ -1143,6 +1204,7 @@ def main(args=None):
     executor = MultiThreadedExecutor(num_threads=6)
     try:
         node = FlashRTNode()
+        node.tune_switch_interval = True
         executor.add_node(node)
         if node.get_parameter('autostart').value and not stop.is_set():
             if node.trigger_configure() == TransitionCallbackReturn.SUCCESS and not stop.is_set():

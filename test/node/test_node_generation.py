@@ -9,6 +9,7 @@ from node_harness import HOME
 import pytest
 from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
 from rcl_interfaces.srv import SetParameters
+from rclpy.qos import QoSProfile, ReliabilityPolicy
 
 BUSY = 'a generation is running; cancel it or publish ~/interrupt'
 LONG = 600  # tokens: a turn that is still running when the test acts on it
@@ -208,6 +209,17 @@ def test_interrupt_bad_capsule_keeps_serving(client, at_home, events):
     assert event is not None and not event.success
     assert client.state_digest() == before
     assert client.generate('Still here?', max_new_tokens=2).result.success
+
+
+def test_best_effort_interrupt_publisher_is_reported(client, node_a):
+    # The one subscription with a QoS event handler: a mismatch would lose every interrupt.
+    qos = QoSProfile(depth=10, reliability=ReliabilityPolicy.BEST_EFFORT)
+    pub = client.node.create_publisher(Interrupt, f'{client.base}/interrupt', qos)
+    try:
+        assert _wait(lambda: 'none of its interrupts will arrive' in node_a.log()), \
+            node_a.log()[-2000:]
+    finally:
+        client.node.destroy_publisher(pub)
 
 
 def test_reset_topic(client, at_home, events):
