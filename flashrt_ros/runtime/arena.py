@@ -261,6 +261,7 @@ class StateArena:
         self._by_name = {e.name: e for e in self.manifest}
         self._index = {e.name: i for i, e in enumerate(self.manifest)}
         self._pack_plans: dict[tuple[int, bool], tuple] = {}
+        self._restore_plans: dict[tuple, tuple] = {}
         # The storage as words of every width (nbytes is a multiple of ALIGN) for _Run views.
         self._words = {dtype: self.storage.view(dtype) for _, dtype in _WORDS}
         layout = {'align': align, 'entries': [e.to_json() for e in self.manifest]}
@@ -414,12 +415,20 @@ class StateArena:
     def copy_pairs(
         self, blob: torch.Tensor, packing: Packing, kinds: set[str] | None = None
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[_Run]]:
-        """(arena destinations, blob sources, runs) for a restore; build once per capsule."""
-        runs = self.runs(packing, kinds)
-        copied = [(r, r.word(blob.storage_offset())) for r in runs if r.nbytes]
-        return ([r.arena_view(self._words, dtype=d) for r, d in copied],
-                [r.blob_view(blob, d) for r, d in copied],
-                [r for r in runs if r.rows is not None])
+        """(arena destinations, blob sources, runs with rows) for a restore of blob."""
+        start = blob.storage_offset()
+        key = (packing, None if kinds is None else tuple(sorted(kinds)), start % 8)
+        plan = self._restore_plans.get(key)
+        if plan is None:  # the arena side depends on the packing only: shared by capsules
+            runs = self.runs(packing, kinds)
+            copied = [(r, r.word(start)) for r in runs if r.nbytes]
+            plan = (copied, [r.arena_view(self._words, dtype=d) for r, d in copied],
+                    [r for r in runs if r.rows is not None])
+            if len(self._restore_plans) >= 16:
+                self._restore_plans.clear()
+            self._restore_plans[key] = plan
+        copied, dsts, partial = plan
+        return dsts, [r.blob_view(blob, d) for r, d in copied], partial
 
     def unpack(
         self,

@@ -277,12 +277,13 @@ class Runtime:
                 'queue need a policy model (e.g. builtin:tiny-policy)'
             )
 
-    def _meta(self) -> dict:
+    def _meta(self, rng: torch.Tensor | None = None) -> dict:
+        rng = self.generator.get_state() if rng is None else rng
         return {
             'position': self.position,
             'pending': self._pending,
             'adapter': self.adapter.export_meta(),
-            'rng': bytes(self.generator.get_state().numpy()).hex(),
+            'rng': bytes(rng.numpy()).hex(),
         }
 
     def _capture(
@@ -294,7 +295,9 @@ class Runtime:
         blob, packing = self.arena.pack(self.position, whole)  # on the arena's device
         if tier != 'device':
             blob = move_blob(blob, 'host', self.device)
-        return Capsule(
+        rng = self.generator.get_state()
+        meta = self._meta(rng)
+        cap = Capsule(
             name=name,
             tier=tier,
             blob=blob,
@@ -302,10 +305,14 @@ class Runtime:
             manifest=self.arena.manifest,
             fingerprint=self.fingerprint,
             position=self.position,
-            meta_json=json.dumps(self._meta(), sort_keys=True),
+            meta_json=json.dumps(meta, sort_keys=True),
             components=self._components,
             pinned=pinned,
         )
+        # What _check_capsule would parse from meta_json, known here: the first restore of a
+        # fresh capsule (an interrupt back to the last checkpoint) skips the JSON.
+        cap.restore_cache['meta'] = dict(meta, rng=rng)
+        return cap
 
     def _check_capsule(self, cap: Capsule) -> dict:
         """Everything that could make a restore fail, checked before the first byte is written."""

@@ -265,3 +265,18 @@ def test_packed_snapshot_is_smaller_than_the_arena(make_runtime):
     host = rt.snapshot('h', tier='host')
     assert host.nbytes < rt.state_nbytes / 2
     assert isinstance(rt.store.get('h').blob, torch.Tensor)
+
+
+@pytest.mark.parametrize('model', ['builtin:tiny-hybrid', 'builtin:tiny-lfm2'])
+def test_fresh_capsule_meta_equals_its_parsed_json(make_runtime, model):
+    # A snapshot primes the checked metadata a restore would parse from its JSON; both
+    # must agree, or the first restore of a fresh capsule would differ from a later one.
+    rt = make_runtime(model)
+    rt.prefill(PROMPT)
+    greedy(rt, 3)
+    rt.snapshot('fresh', tier='host')
+    cap = rt.store.get('fresh')
+    primed = cap.restore_cache.pop('meta')
+    parsed = rt._check_capsule(cap)
+    assert torch.equal(primed.pop('rng'), parsed.pop('rng'))
+    assert primed == parsed and parsed['position'] == rt.position
