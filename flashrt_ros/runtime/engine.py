@@ -43,7 +43,9 @@ class Engine:
         self.cuda_graphs = cuda_graphs and self.device.type == 'cuda'
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_error: str | None = None
-        self._hooks: list = []
+        self._hooks: list = []  # armed abort hooks (see abort_when)
+        self._abort_modules: list = []
+        self._abort_check = None
         if self.cuda_graphs and getattr(adapter, 'has_sliding_layers', False):
             # Sliding-window layers branch in Python on a host-side counter; a graph would
             # freeze one branch. Run them eagerly rather than risk a wrong step.
@@ -52,12 +54,13 @@ class Engine:
 
     def abort_when(self, should_abort: Callable[[], bool]) -> int:
         """
-        Abandon eager forwards at a module boundary once should_abort() is true.
+        Let armed eager forwards be abandoned at a module boundary once should_abort() is true.
 
-        A forward pre-hook on every decoder layer and on each of its direct children (the
-        attention or mixer, the MLP, the norms) raises StepAborted. The check is one call
-        per module; a replayed CUDA graph runs no hooks and is never abandoned. Returns the
-        number of hooked modules (0 when the model has no `layers` to hook).
+        While arm_abort() is in effect, a forward pre-hook on every decoder layer and on each
+        of its direct children (the attention or mixer, the MLP, the norms) raises
+        StepAborted. Unarmed, the modules carry no hooks, so a decode step pays nothing for
+        being abortable. A replayed CUDA graph runs no hooks and is never abandoned. Returns
+        the number of modules (0 when the model has no `layers` to hook).
         """
         def check(module, args):
             if should_abort():
@@ -66,10 +69,26 @@ class Engine:
         model = getattr(self.adapter, 'model', None)
         decoder = model.get_decoder() if hasattr(model, 'get_decoder') else None
         layers = getattr(decoder, 'layers', None) or ()
-        modules = [m for layer in layers for m in (layer, *layer.children())]
-        for m in modules:
-            self._hooks.append(m.register_forward_pre_hook(check))
-        return len(modules)
+        self._abort_check = check
+        self._abort_modules = [m for layer in layers for m in (layer, *layer.children())]
+        return len(self._abort_modules)
+
+    def arm_abort(self) -> None:
+        """
+        Hook the abort check into the modules (a preemption is waiting).
+
+        Safe while another thread runs a forward: a module reads its hooks when it is
+        called, so the hooks take effect at the next module boundary.
+        """
+        if not self._hooks and self._abort_modules:
+            self._hooks = [m.register_forward_pre_hook(self._abort_check)
+                           for m in self._abort_modules]
+
+    def disarm_abort(self) -> None:
+        """Remove the abort hooks again."""
+        hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook.remove()
 
     @torch.no_grad()
     def prefill(self, ids: list[int], position: int) -> None:
@@ -126,9 +145,7 @@ class Engine:
 
     def drop_graph(self) -> None:
         self.graph = None
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
+        self.disarm_abort()
 
     @torch.no_grad()
     def sample(
@@ -229,3 +246,9 @@ class PolicyEngine:
 
     def drop_graph(self) -> None:
         pass
+
+    def arm_abort(self) -> None:
+        """Nothing to arm: a preemption waits for the act() in flight (one control step)."""
+
+    def disarm_abort(self) -> None:
+        """Nothing was armed."""

@@ -582,6 +582,7 @@ class Runtime:
         request = _Preemption(run)
         with self._preempt_lock:
             self._preempt = request  # the next module boundary of a running step aborts it
+            self.engine.arm_abort()
             try:
                 with self._lock:
                     self._preempt = None
@@ -592,6 +593,7 @@ class Runtime:
                         return run(False)
             finally:
                 self._preempt = None
+                self.engine.disarm_abort()
         if request.error is not None:
             raise request.error
         return request.result
