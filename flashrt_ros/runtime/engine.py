@@ -75,7 +75,7 @@ class Engine:
 
     def arm_abort(self) -> None:
         """
-        Hook the abort check into the modules (a preemption is waiting).
+        Register the abort check on the modules (a preemption is waiting).
 
         Safe while another thread runs a forward: a module reads its hooks when it is
         called, so the hooks take effect at the next module boundary.
