@@ -741,7 +741,7 @@ class FlashRTNode(LifecycleNode):
 
         STOP waits for the step in flight to finish (the state stays a clean boundary);
         ROLLBACK and RESTORE replace the state anyway, so they abandon the step in flight at
-        its next module boundary (the runtime's preempt) instead of waiting for it to end.
+        its next module call (the runtime's preempt) instead of waiting for it to end.
         """
         if not self._active:
             self.get_logger().warning(f'{operation} ignored: {self._not_active_message()}')

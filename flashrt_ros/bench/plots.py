@@ -151,8 +151,10 @@ def fig5(f, path, subtitle):
     ax.bar([label for _, label in keys], med, yerr=err, capsize=4,
            color=[BASELINE, BASELINE, OURS, OURS, 'tab:cyan'])
     ax.set_ylabel('ms (median; bars p10-p90)')
+    paired = f.get('node_added_paired_ms')
+    paired = '' if paired is None else f' ({paired:.3f} call by call)'
     ax.set_title(f'Service round-trips ({f["node_model"]}): node adds '
-                 f'{f["node_added_ms"]:.3f} ms', fontsize=10)
+                 f'{f["node_added_ms"]:.3f} ms{paired}', fontsize=10)
     ax.tick_params(axis='x', labelsize=8)
     ax.grid(True, axis='y', alpha=0.3)
     curves = (('interrupt_node_samples_ms', 'node: receipt -> restored', OURS),

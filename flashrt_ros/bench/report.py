@@ -73,7 +73,9 @@ def _fig5(f):
         ['bare Trigger round-trip (baseline)', _ms(f['trigger_round_trip_ms']), '',
          f['trigger_round_trip_ms']['n']],
         ['Trigger on a 6-thread executor', _ms(f['trigger_mt_round_trip_ms']), '', ''],
-        ['node adds (medians)', _num(f['node_added_ms'], '.3f'), '', ''],
+        ['node adds (difference of the medians)', _num(f['node_added_ms'], '.3f'), '', ''],
+        ['node adds (median of call-by-call differences)',
+         _num(f.get('node_added_paired_ms'), '.3f'), '', ''],
         ['interrupt -> restored (node, ~/events)', _ms(f['interrupt_node_ms']),
          _num(f['interrupt_node_ms']['p99'], '.3f'), f['interrupt_node_ms']['n']],
         ['interrupt -> event received (client)', _ms(f['interrupt_e2e_ms']),
@@ -126,8 +128,12 @@ def targets(results):
                      f'{f["ratio_vs_hf_generate"]:.2f} (generate())', _yes(f['target_holds'])])
     f = figs.get('fig5', {})
     if 'targets' in f:
-        rows.append(['fig5', 'node adds <= 0.5 ms over a bare Trigger (median)',
-                     f'{f["node_added_ms"]:.3f} ms', _yes(f['targets']['node_added_le_0_5_ms'])])
+        t = f['targets']
+        rows.append(['fig5', 'node adds <= 0.5 ms over a bare Trigger (median; of the medians '
+                     '/ call by call)', f'{f["node_added_ms"]:.3f} / '
+                     f'{_num(f.get("node_added_paired_ms"), ".3f")} ms',
+                     f'{_yes(t["node_added_le_0_5_ms"])} / '
+                     f'{_yes(t.get("node_added_paired_le_0_5_ms"))}'])
         rows.append(['fig5', 'interrupt -> restored p99 <= step + restore + 1 ms',
                      f'p99 {f["interrupt_node_ms"]["p99"]:.2f} ms (node) / '
                      f'{f["interrupt_e2e_ms"]["p99"]:.2f} ms (client) vs '

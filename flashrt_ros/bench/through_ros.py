@@ -222,6 +222,10 @@ def _round_trips(client, restore, trigger, trigger_mt, n, log):
     }
     result['node_added_ms'] = (result['restore_minus_runtime_ms']['median']
                                - result['trigger_round_trip_ms']['median'])
+    # The same quantity paired call by call: each ~/restore call against the Trigger call
+    # made just before it, so that a burst of steal time or load that hits both drops out.
+    paired = [o - t for o, t in zip(overhead, trigger_rt)]
+    result['node_added_paired_ms'] = float(np.median(paired)) * 1e3
     result['restore_vs_trigger'] = ratio(result['restore_round_trip_ms']['median'],
                                          result['trigger_round_trip_ms']['median'])
     return result
@@ -342,6 +346,7 @@ def fig5_through_ros(plan, device, log):
     result['interrupt_bound_ms'] = bound
     result['targets'] = {
         'node_added_le_0_5_ms': result['node_added_ms'] <= 0.5,
+        'node_added_paired_le_0_5_ms': result['node_added_paired_ms'] <= 0.5,
         'interrupt_node_p99_le_bound': result['interrupt_node_ms']['p99'] <= bound,
         'interrupt_e2e_p99_le_bound': result['interrupt_e2e_ms']['p99'] <= bound,
     }

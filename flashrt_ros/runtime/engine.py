@@ -43,8 +43,7 @@ class Engine:
         self.cuda_graphs = cuda_graphs and self.device.type == 'cuda'
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_error: str | None = None
-        self._hooks: list = []  # armed abort hooks (see abort_when)
-        self._abort_modules: list = []
+        self._hook = None  # the armed abort hook (see abort_when)
         self._abort_check = None
         if self.cuda_graphs and getattr(adapter, 'has_sliding_layers', False):
             # Sliding-window layers branch in Python on a host-side counter; a graph would
@@ -52,42 +51,39 @@ class Engine:
             self.cuda_graphs = False
             self.graph_error = 'disabled: sliding-window layers branch on host state'
 
-    def abort_when(self, should_abort: Callable[[], bool]) -> int:
+    def abort_when(self, should_abort: Callable[[], bool]) -> None:
         """
         Let armed eager forwards be abandoned at a module boundary once should_abort() is true.
 
-        While arm_abort() is in effect, a forward pre-hook on every decoder layer and on each
-        of its direct children (the attention or mixer, the MLP, the norms) raises
-        StepAborted. Unarmed, the modules carry no hooks, so a decode step pays nothing for
-        being abortable. A replayed CUDA graph runs no hooks and is never abandoned. Returns
-        the number of modules (0 when the model has no `layers` to hook).
+        While arm_abort() is in effect, a global forward pre-hook raises StepAborted before
+        the next module call for which should_abort() holds (it must check the thread: the
+        hook sees every module call of the process). Unarmed there is no hook at all, so a
+        decode step pays nothing for being abortable. A replayed CUDA graph runs no Python
+        and is never abandoned.
         """
-        def check(module, args):
-            if should_abort():
-                raise StepAborted()
-
-        model = getattr(self.adapter, 'model', None)
-        decoder = model.get_decoder() if hasattr(model, 'get_decoder') else None
-        layers = getattr(decoder, 'layers', None) or ()
-        self._abort_check = check
-        self._abort_modules = [m for layer in layers for m in (layer, *layer.children())]
-        return len(self._abort_modules)
+        self._abort_check = should_abort
 
     def arm_abort(self) -> None:
         """
-        Register the abort check on the modules (a preemption is waiting).
+        Register the abort check before every module call (a preemption is waiting).
 
-        Safe while another thread runs a forward: a module reads its hooks when it is
-        called, so the hooks take effect at the next module boundary.
+        Safe while another thread runs a forward: module calls read the global hooks each
+        time, so the check takes effect at the next call of any module, usually within tens
+        of microseconds.
         """
-        if not self._hooks and self._abort_modules:
-            self._hooks = [m.register_forward_pre_hook(self._abort_check)
-                           for m in self._abort_modules]
+        if self._hook is None and self._abort_check is not None:
+            should_abort = self._abort_check
+
+            def check(module, args):
+                if should_abort():
+                    raise StepAborted()
+
+            self._hook = torch.nn.modules.module.register_module_forward_pre_hook(check)
 
     def disarm_abort(self) -> None:
-        """Remove the abort hooks again."""
-        hooks, self._hooks = self._hooks, []
-        for hook in hooks:
+        """Remove the abort hook again."""
+        hook, self._hook = self._hook, None
+        if hook is not None:
             hook.remove()
 
     @torch.no_grad()

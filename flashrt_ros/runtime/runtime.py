@@ -26,8 +26,9 @@ meanwhile raise BusyError instead of waiting for an unbounded stream to end.
 
 Preemption: restore(..., preempt=True) and rollback(..., preempt=True) end a running
 generation and replace the state in one go. The capsule is checked first; then the step in
-flight is abandoned at its next module boundary (a forward pre-hook raises inside the
-model, so the wait is a fraction of a step, and a long prefill is cut short too) and the
+flight is abandoned at its next module call (a global forward pre-hook, armed only while a
+preemption waits, raises on the generation thread, so the wait is a small fraction of a
+step, and a long prefill is cut short too) and the
 generation thread itself writes the capsule over the half-updated state (the rows the
 abandoned forward may have written are zeroed with the rest of the stale tail). The turn
 ends with stop_reason "interrupted" and is not committed. A captured CUDA graph replays as
@@ -185,7 +186,7 @@ class Runtime:
         self._closed = False
         self._preempt: _Preemption | None = None
         self._preempt_lock = threading.Lock()  # one preemption at a time
-        self._abortable = False  # True while a generation's forward may be abandoned
+        self._abortable = 0  # ident of the thread whose forward may be abandoned now, or 0
         self._extent = 0  # rows the last forward may have written (past position if torn)
 
         if adapter is None:
@@ -209,7 +210,8 @@ class Runtime:
             self.engine = PolicyEngine(self.adapter, self.arena.views)
         else:
             self.engine = Engine(self.adapter, self.arena.views['logits'], config.cuda_graphs)
-            self.engine.abort_when(lambda: self._abortable and self._preempt is not None)
+            self.engine.abort_when(lambda: self._preempt is not None
+                                   and self._abortable == threading.get_ident())
         self._last_step_s = 0.0
         self.fingerprint = hashlib.sha256(
             (self.adapter.fingerprint() + self.arena.layout_fingerprint).encode()
@@ -581,7 +583,7 @@ class Runtime:
         """Run run(torn) with the step lock held, ending a running generation first."""
         request = _Preemption(run)
         with self._preempt_lock:
-            self._preempt = request  # the next module boundary of a running step aborts it
+            self._preempt = request  # the next module call of a running step aborts it
             self.engine.arm_abort()
             try:
                 with self._lock:
@@ -601,11 +603,11 @@ class Runtime:
     @contextlib.contextmanager
     def _abortable_forward(self):
         """Let a waiting preemption abandon the forward run inside (StepAborted)."""
-        self._abortable = True
+        self._abortable = threading.get_ident()
         try:
             yield
         finally:
-            self._abortable = False
+            self._abortable = 0
 
     def _step(self, gen: Generation) -> TokenEvent:
         """One step of a generation (lock held): the prompt first, then a token per call."""
