@@ -76,7 +76,11 @@ def _fig5(f):
         ['node adds (difference of the medians)', _num(f['node_added_ms'], '.3f'), '', ''],
         ['node adds (median of call-by-call differences)',
          _num(f.get('node_added_paired_ms'), '.3f'), '', ''],
-        ['interrupt -> restored (node, ~/events)', _ms(f['interrupt_node_ms']),
+        ['interrupt published -> restored (event stamp)',
+         _ms(f['interrupt_published_to_restored_ms']),
+         _num(f['interrupt_published_to_restored_ms']['p99'], '.3f'),
+         f['interrupt_published_to_restored_ms']['n']],
+        ['interrupt received -> restored (node, latency_ms)', _ms(f['interrupt_node_ms']),
          _num(f['interrupt_node_ms']['p99'], '.3f'), f['interrupt_node_ms']['n']],
         ['interrupt -> event received (client)', _ms(f['interrupt_e2e_ms']),
          _num(f['interrupt_e2e_ms']['p99'], '.3f'), f['interrupt_e2e_ms']['n']],
@@ -134,12 +138,16 @@ def targets(results):
                      f'{_num(f.get("node_added_paired_ms"), ".3f")} ms',
                      f'{_yes(t["node_added_le_0_5_ms"])} / '
                      f'{_yes(t.get("node_added_paired_le_0_5_ms"))}'])
-        rows.append(['fig5', 'interrupt -> restored p99 <= step + restore + 1 ms',
-                     f'p99 {f["interrupt_node_ms"]["p99"]:.2f} ms (node) / '
-                     f'{f["interrupt_e2e_ms"]["p99"]:.2f} ms (client) vs '
+        published = f.get('interrupt_published_to_restored_ms', {}).get('p99')
+        rows.append(['fig5', 'interrupt published -> restored p99 <= step + restore + 1 ms '
+                     '(also: received -> restored at the node / published -> event at the '
+                     'client)',
+                     f'p99 {_num(published)} ms ({f["interrupt_node_ms"]["p99"]:.2f} / '
+                     f'{f["interrupt_e2e_ms"]["p99"]:.2f} ms) vs '
                      f'{f["interrupt_bound_ms"]:.2f} ms',
-                     _yes(f['targets']['interrupt_node_p99_le_bound'])
-                     + ' / ' + _yes(f['targets']['interrupt_e2e_p99_le_bound'])])
+                     f'{_yes(t.get("interrupt_p99_le_bound"))} '
+                     f'({_yes(t["interrupt_node_p99_le_bound"])} / '
+                     f'{_yes(t["interrupt_e2e_p99_le_bound"])})'])
     return rows
 
 
