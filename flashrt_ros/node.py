@@ -110,10 +110,11 @@ OBSERVATION_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1,
 # - ~/actions and ~/joint_trajectory: RELIABLE, a short queue: a controller needs every
 #   chunk in order, and a stalled one should not pile up stale actions.
 ACTIONS_QOS = COMMAND_QOS
-# No QoS event handlers on the node's topics except ~/interrupt: rclpy adds two per publisher
-# and subscription by default (incompatible QoS, incompatible type), each a waitable that the
-# executor walks on every wake-up - 20 of the node's 49 entities, about 0.2 ms per service
-# call. The peer's own default handlers still report a mismatch on its side.
+# No QoS event handlers on the node's topics (including rclpy's own /parameter_events
+# publisher) except ~/interrupt: rclpy adds two per publisher and subscription by default
+# (incompatible QoS, incompatible type), each a waitable that the executor walks on every
+# wake-up - 22 of the node's 51 entities, about 0.2 ms per service call. The peer's own
+# default handlers still report a mismatch on its side.
 # The executor, the generation thread and torch share the GIL; Python's default 5 ms switch
 # interval would let a callback wait several intervals for a decoding thread to let go. The
 # executable (main) switches between two intervals: 0.1 ms while a turn decodes, so that an
@@ -230,19 +231,16 @@ class FlashRTNode(LifecycleNode):
         self._action_group = ReentrantCallbackGroup()
 
         # Lifecycle publishers only publish while the node is active.
-        self._tokens_pub = self.create_lifecycle_publisher(
-            TokenChunk, '~/tokens', STREAM_QOS, event_callbacks=NO_PUB_EVENTS)
-        self._events_pub = self.create_lifecycle_publisher(
-            CapsuleEvent, '~/events', STREAM_QOS, event_callbacks=NO_PUB_EVENTS)
-        self._actions_pub = self.create_lifecycle_publisher(
-            ActionChunk, '~/actions', ACTIONS_QOS, event_callbacks=NO_PUB_EVENTS)
+        self._tokens_pub = self.create_lifecycle_publisher(TokenChunk, '~/tokens', STREAM_QOS)
+        self._events_pub = self.create_lifecycle_publisher(CapsuleEvent, '~/events', STREAM_QOS)
+        self._actions_pub = self.create_lifecycle_publisher(ActionChunk, '~/actions',
+                                                            ACTIONS_QOS)
         self._trajectory_pub = None
         if self.get_parameter('publish_joint_trajectory').value:
             self._trajectory_pub = self.create_lifecycle_publisher(
-                JointTrajectory, '~/joint_trajectory', ACTIONS_QOS, event_callbacks=NO_PUB_EVENTS)
+                JointTrajectory, '~/joint_trajectory', ACTIONS_QOS)
         # Diagnostics report in every state (also why the node is not active).
-        self._diag_pub = self.create_publisher(DiagnosticArray, '/diagnostics', DIAGNOSTICS_QOS,
-                                               event_callbacks=NO_PUB_EVENTS)
+        self._diag_pub = self.create_publisher(DiagnosticArray, '/diagnostics', DIAGNOSTICS_QOS)
 
         state, query = self._state_group, self._query_group
         self.create_service(Snapshot, '~/snapshot', self._snapshot_callback, callback_group=state)
@@ -271,7 +269,7 @@ class FlashRTNode(LifecycleNode):
             (Float32MultiArray, '~/observation_vector', self._vector_callback, OBSERVATION_QOS),
         )
         for msg_type, topic, callback, qos in subscriptions:
-            events = NO_SUB_EVENTS
+            events = None
             if topic == '~/interrupt':  # a silent mismatch here would lose every interrupt
                 events = SubscriptionEventCallbacks(
                     incompatible_qos=self._interrupt_qos_mismatch, use_default_callbacks=False)
@@ -280,6 +278,21 @@ class FlashRTNode(LifecycleNode):
         period = self.get_parameter('diagnostics_period').value
         self.create_timer(period, self._diagnostics_callback, callback_group=query)
         self._event_thread.start()
+
+    def create_publisher(self, *args, event_callbacks=None, **kwargs):
+        """Create a publisher with no QoS event handlers unless given (see NO_PUB_EVENTS)."""
+        return super().create_publisher(*args, event_callbacks=event_callbacks or NO_PUB_EVENTS,
+                                        **kwargs)
+
+    def create_lifecycle_publisher(self, *args, event_callbacks=None, **kwargs):
+        """Create a lifecycle publisher with no QoS event handlers unless given."""
+        return super().create_lifecycle_publisher(
+            *args, event_callbacks=event_callbacks or NO_PUB_EVENTS, **kwargs)
+
+    def create_subscription(self, *args, event_callbacks=None, **kwargs):
+        """Create a subscription with no QoS event handlers unless given (NO_SUB_EVENTS)."""
+        return super().create_subscription(
+            *args, event_callbacks=event_callbacks or NO_SUB_EVENTS, **kwargs)
 
     # ---- parameters ------------------------------------------------------------------
 
