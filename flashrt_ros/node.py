@@ -113,8 +113,10 @@ ACTIONS_QOS = COMMAND_QOS
 # No QoS event handlers on the node's topics (including rclpy's own /parameter_events
 # publisher) except ~/interrupt: rclpy adds two per publisher and subscription by default
 # (incompatible QoS, incompatible type), each a waitable that the executor walks on every
-# wake-up - 22 of the node's 51 entities, about 0.2 ms per service call. The peer's own
+# wake-up - 20 of the node's 46 entities, about 0.2 ms per service call. The peer's own
 # default handlers still report a mismatch on its side.
+NO_PUB_EVENTS = PublisherEventCallbacks(use_default_callbacks=False)
+NO_SUB_EVENTS = SubscriptionEventCallbacks(use_default_callbacks=False)
 # The executor, the generation thread and torch share the GIL; Python's default 5 ms switch
 # interval would let a callback wait several intervals for a decoding thread to let go. The
 # executable (main) switches between two intervals: 0.1 ms while a turn decodes, so that an
@@ -123,8 +125,6 @@ ACTIONS_QOS = COMMAND_QOS
 # thread and a service callback trade the GIL back and forth (about 0.3 ms more per call).
 SWITCH_INTERVAL_DECODING_S = 0.0001
 SWITCH_INTERVAL_IDLE_S = 0.0005
-NO_PUB_EVENTS = PublisherEventCallbacks(use_default_callbacks=False)
-NO_SUB_EVENTS = SubscriptionEventCallbacks(use_default_callbacks=False)
 
 
 def _descriptor(description, *, read_only=False, integer=None, floating=None, ptype=None,

@@ -53,7 +53,7 @@ class Engine:
 
     def abort_when(self, should_abort: Callable[[], bool]) -> None:
         """
-        Let armed eager forwards be abandoned at a module boundary once should_abort() is true.
+        Let armed eager forwards be abandoned at a module call once should_abort() is true.
 
         While arm_abort() is in effect, a global forward pre-hook raises StepAborted before
         the next module call for which should_abort() holds (it must check the thread: the

@@ -28,9 +28,9 @@ Preemption: restore(..., preempt=True) and rollback(..., preempt=True) end a run
 generation and replace the state in one go. The capsule is checked first; then the step in
 flight is abandoned at its next module call (a global forward pre-hook, armed only while a
 preemption waits, raises on the generation thread, so the wait is a small fraction of a
-step, and a long prefill is cut short too) and the
-generation thread itself writes the capsule over the half-updated state (the rows the
-abandoned forward may have written are zeroed with the rest of the stale tail). The turn
+step, and a long prefill is cut short too) and the generation thread itself writes the
+capsule over the half-updated state (the rows the abandoned forward may have written are
+zeroed with the rest of the stale tail). The turn
 ends with stop_reason "interrupted" and is not committed. A captured CUDA graph replays as
 one launch, so there the wait is up to one step.
 
