@@ -583,8 +583,8 @@ class Runtime:
         """Run run(torn) with the step lock held, ending a running generation first."""
         request = _Preemption(run)
         with self._preempt_lock:
-            self._preempt = request  # the next module call of a running step aborts it
-            self.engine.arm_abort()
+            self.engine.arm_abort()  # first: once _preempt is set, the next module call aborts
+            self._preempt = request
             try:
                 with self._lock:
                     self._preempt = None

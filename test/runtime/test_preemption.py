@@ -169,3 +169,52 @@ def test_a_preemption_waits_for_no_longer_than_the_step_it_cuts(make_runtime):
         thread.join(30)
         assert not thread.is_alive() and gen.result.stop_reason == 'interrupted'
         assert rt.state_digest() == home and not rt.generating
+
+
+def test_an_armed_preemption_never_aborts_another_runtime(make_runtime):
+    # The abort hook is process-wide while armed; only the preempted runtime's generation
+    # thread may be cut. Here runtime A's step is held inside its forward with the hook
+    # armed, and runtime B decodes a whole turn meanwhile on another thread.
+    import torch
+
+    a, b = make_runtime(), make_runtime('builtin:tiny-lfm2')
+    a.prefill(PROMPT)
+    a.snapshot('home')
+    home = a.state_digest()
+    b.prefill(PROMPT)
+    b.snapshot('start')
+    reference = greedy(b, 8)
+    b.restore('start')
+
+    hold, held, go = threading.Event(), threading.Event(), threading.Event()
+
+    def block(module, args):
+        if hold.is_set() and not go.is_set():
+            held.set()
+            go.wait(30)
+
+    handle = _layers(a)[0].register_forward_pre_hook(block)
+    gen = a.generate(prompt=OTHER, max_new_tokens=200, stop=(), eos=False)
+    a_thread = threading.Thread(target=lambda: [None for _ in gen])
+    a_thread.start()
+    hold.set()
+    assert held.wait(30), 'runtime A never reached its forward'
+    outcome = {}
+    preempt = threading.Thread(target=lambda: outcome.update(
+        info=a.restore('home', preempt=True)))
+    preempt.start()
+    while a._preempt is None and preempt.is_alive():
+        preempt.join(0.001)
+    assert a._preempt is not None  # armed, and A cannot serve it while held
+    b_tokens = []
+    b_thread = threading.Thread(target=lambda: b_tokens.extend(greedy(b, 8)))
+    b_thread.start()
+    b_thread.join(60)
+    go.set()
+    preempt.join(30)
+    a_thread.join(30)
+    handle.remove()
+    assert b_tokens == reference  # B decoded a whole turn under the armed hook, untouched
+    assert outcome['info'].name == 'home' and gen.result.stop_reason == 'interrupted'
+    assert a.state_digest() == home
+    assert not torch.nn.modules.module._global_forward_pre_hooks  # disarmed again
