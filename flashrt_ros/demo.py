@@ -101,7 +101,7 @@ def _run_session(client, report, events):
         step_ms = 1e3 / r.tokens_per_second if r.tokens_per_second else 0.0
         report.line(f'interrupt -> restored state: {event.latency_ms:.2f} ms from message '
                     f'receipt (the decode step in flight, ~{step_ms:.1f} ms here, is cut at '
-                    f'its next layer; {event.size_bytes} bytes copied)')
+                    f'its next module call; {event.size_bytes} bytes copied)')
     report.check(event is not None and event.success, 'interrupt event reports success')
     report.check(client.state_digest() == home_digest,
                  'live state is byte-identical to `home` (state digest)')
