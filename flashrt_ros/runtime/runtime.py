@@ -294,8 +294,8 @@ class Runtime:
         """Copy the live state into a new capsule (not yet stored)."""
         if whole is None:
             whole = tier == 'device' and self.arena.choose_whole(self.position)
-        blob, packing = self.arena.pack(self.position, whole)  # on the arena's device
-        if tier != 'device':
+        blob, packing = self.arena.pack(self.position, whole)  # a new blob on the arena's device
+        if tier != 'device' and self.device.type != 'cpu':  # on a CPU runtime: host memory now
             blob = move_blob(blob, 'host', self.device)
         rng = self.generator.get_state()
         meta = self._meta(rng)
