@@ -15,7 +15,7 @@ setup(
     python_requires='>=3.10',
     # torch is deliberately unpinned here: install the build that fits the machine
     # (CPU, CUDA, JetPack) first; `make setup` pins the CPU build.
-    install_requires=['torch>=2.4', 'transformers>=5.0', 'safetensors', 'numpy', 'pyyaml'],
+    install_requires=['torch>=2.4', 'transformers>=5.24,<6', 'safetensors', 'numpy', 'pyyaml'],
     extras_require={'bench': ['matplotlib']},
     entry_points={'console_scripts': ['flashrt_node = flashrt_ros.node:main']},
 )

@@ -57,3 +57,12 @@ def test_unknown_model_ids_fail_clearly(make_runtime, tmp_path):
         make_runtime('builtin:no-such-model')
     with pytest.raises(ConfigError, match='checkpoint directory'):
         make_runtime(str(tmp_path / 'nowhere'))
+
+
+def test_too_old_transformers_is_a_clear_error():
+    from flashrt_ros.runtime.models.hf import check_transformers_version
+
+    with pytest.raises(ConfigError, match=r'transformers 5\.17\.0 is too old.*>=5\.24,<6'):
+        check_transformers_version('5.17.0')
+    for version in ('5.24.0', '5.24.1', '5.30.0.dev0', '6.0.0'):
+        check_transformers_version(version)

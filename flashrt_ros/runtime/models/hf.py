@@ -21,11 +21,13 @@ reuses for a backbone fed `inputs_embeds`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
 from typing import Any, Callable
 
+from packaging.version import Version
 import torch
 
 from .base import CausalLMAdapter
@@ -56,9 +58,26 @@ _VOLATILE_CONFIG_KEYS = {
 }
 
 
+MIN_TRANSFORMERS = (5, 24)  # oldest release whose cache layers this binding was tested with
+
+
+def check_transformers_version(version: str) -> None:
+    """Raise ConfigError when transformers `version` is older than MIN_TRANSFORMERS."""
+    if Version(version).release[:2] < MIN_TRANSFORMERS:
+        least = '.'.join(map(str, MIN_TRANSFORMERS))
+        raise ConfigError(
+            f'transformers {version} is too old for the state binding (its cache layers '
+            f'changed up to {least}); install transformers>={least},<6'
+        )
+
+
+@functools.lru_cache(maxsize=None)
 def _cache_classes():
+    """Return transformers.cache_utils, once its version is known to be recent enough."""
+    import transformers
     from transformers import cache_utils as cu
 
+    check_transformers_version(transformers.__version__)
     return cu
 
 
