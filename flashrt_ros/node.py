@@ -54,7 +54,10 @@ from rcl_interfaces.msg import ParameterType, SetParametersResult
 import rclpy
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
-from rclpy.event_handler import PublisherEventCallbacks, SubscriptionEventCallbacks
+try:
+    from rclpy.event_handler import PublisherEventCallbacks, SubscriptionEventCallbacks
+except ImportError:  # Humble: the same classes before their module was renamed in Iron
+    from rclpy.qos_event import PublisherEventCallbacks, SubscriptionEventCallbacks
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, qos_policy_name_from_kind
@@ -479,6 +482,7 @@ class FlashRTNode(LifecycleNode):
         with self._generation_stopped() as stopped:
             if not stopped:
                 self.get_logger().warning('the generation did not stop within interrupt_timeout')
+        self._flush_events()  # events of the active phase go out before ~/events is disabled
         return super().on_deactivate(state)
 
     def on_cleanup(self, state):
@@ -548,13 +552,22 @@ class FlashRTNode(LifecycleNode):
         path of the service response that reports the same operation.
         """
         while (item := self._event_queue.get()) is not None:
-            fields, stamp = item
-            event = CapsuleEvent(**fields)
-            event.header.stamp = stamp.to_msg()
+            if isinstance(item, threading.Event):  # a flush marker: all before it is out
+                item.set()
+                continue
             try:
+                fields, stamp = item
+                event = CapsuleEvent(**fields)
+                event.header.stamp = stamp.to_msg()
                 self._events_pub.publish(event)
-            except Exception as exc:  # e.g. the context shut down under us
+            except Exception as exc:  # e.g. the context shut down under us; keep the thread
                 self.get_logger().warning(f'could not publish a capsule event: {exc!r}')
+
+    def _flush_events(self, timeout=1.0):
+        """Wait until the events queued so far are published."""
+        marker = threading.Event()
+        self._event_queue.put(marker)
+        marker.wait(timeout)
 
     def destroy_node(self):
         """Stop the events thread, then destroy the node."""
@@ -1033,12 +1046,12 @@ class FlashRTNode(LifecycleNode):
             finally:
                 if not turn.result.success:
                     self.get_logger().warning(f'generation turn failed: {turn.result.message}')
+                if self.tune_switch_interval:  # the next turn sets the short one again
+                    sys.setswitchinterval(SWITCH_INTERVAL_IDLE_S)
                 with self._cv:
                     self._current = None
                     self._reserved -= 1
                     self._cv.notify_all()
-                    if self.tune_switch_interval and not self._queue:
-                        sys.setswitchinterval(SWITCH_INTERVAL_IDLE_S)
                 turn.done.set()
 
     def _run_turn(self, turn):

@@ -312,8 +312,11 @@ class Runtime:
             pinned=pinned,
         )
         # What _check_capsule would parse from meta_json, known here: the first restore of a
-        # fresh capsule (an interrupt back to the last checkpoint) skips the JSON.
-        cap.restore_cache['meta'] = dict(meta, rng=rng)
+        # fresh capsule (an interrupt back to the last checkpoint) skips parsing the sampler
+        # state. The adapter's part goes through JSON anyway: a custom adapter may export
+        # live objects, which must not leak into the capsule.
+        cap.restore_cache['meta'] = dict(
+            meta, rng=rng, adapter=json.loads(json.dumps(meta['adapter'], sort_keys=True)))
         return cap
 
     def _check_capsule(self, cap: Capsule) -> dict:
@@ -570,6 +573,7 @@ class Runtime:
             if torn:
                 self._recover_torn()
         request.done = True
+        self._preempt = None  # served: a turn started before the caller wakes must not see it
 
     def _recover_torn(self) -> None:
         """Replace a half-updated state: the newest committed boundary, else a reset."""
@@ -583,9 +587,12 @@ class Runtime:
         """Run run(torn) with the step lock held, ending a running generation first."""
         request = _Preemption(run)
         with self._preempt_lock:
-            self.engine.arm_abort()  # first: once _preempt is set, the next module call aborts
-            self._preempt = request
+            engine = getattr(self, 'engine', None)  # close() deletes it
+            if engine is None:
+                self._check_open()
             try:
+                engine.arm_abort()  # first: once _preempt is set, the next module call aborts
+                self._preempt = request
                 with self._lock:
                     self._preempt = None
                     if not request.done:  # no step was running: a boundary or idle
@@ -595,7 +602,7 @@ class Runtime:
                         return run(False)
             finally:
                 self._preempt = None
-                self.engine.disarm_abort()
+                engine.disarm_abort()
         if request.error is not None:
             raise request.error
         return request.result

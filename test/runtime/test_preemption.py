@@ -113,6 +113,46 @@ def test_preempting_rollback_mid_turn_lands_on_the_end_of_the_prompt(make_runtim
     assert rt.position == len(rt.tokenize(PROMPT))
 
 
+def test_a_served_preemption_does_not_hit_the_next_turn(make_runtime):
+    # The generation thread serves the preemption and may start the next turn before the
+    # caller wakes up: that turn must run, and the rollback must happen once.
+    rt = make_runtime()
+    rt.prefill(PROMPT)
+    rt.prefill(OTHER)
+    gen = rt.generate(prompt=OTHER, max_new_tokens=50, stop=(), eos=False)
+    next(gen), next(gen)
+    probe = _PreemptInsideStep(rt, lambda: rt.rollback(1, preempt=True))
+    gate, step_lock = threading.Event(), rt._lock
+
+    class GatedLock:
+        """The step lock, but the preempting thread may take it only once the gate opens."""
+
+        def __enter__(self):
+            if threading.current_thread() is probe.thread:
+                gate.wait(30)
+            return step_lock.__enter__()
+
+        def __exit__(self, *exc):
+            return step_lock.__exit__(*exc)
+
+    rt._lock = GatedLock()
+    try:
+        with pytest.raises(StopIteration):
+            next(gen)
+        after = rt.generate(max_new_tokens=3, stop=(), eos=False)  # the caller still waits
+        tokens = [ev.token_id for ev in after]
+    finally:
+        gate.set()
+        probe.join()
+        rt._lock = step_lock
+    assert probe.error is None and after.result.stop_reason == 'max_tokens'
+    assert len(tokens) == 3
+    # Boundaries now: PROMPT, +OTHER, the cut turn's prompt (where the rollback landed), the
+    # turn above. Two back is +OTHER: the rollback ran once.
+    rt.rollback(2)
+    assert rt.position == len(rt.tokenize(PROMPT)) + len(rt.tokenize(OTHER))
+
+
 def test_preempt_between_steps_and_when_idle(make_runtime):
     rt = make_runtime()
     rt.prefill(PROMPT)

@@ -25,9 +25,9 @@ import functools
 import hashlib
 import json
 from pathlib import Path
+import re
 from typing import Any, Callable
 
-from packaging.version import Version
 import torch
 
 from .base import CausalLMAdapter
@@ -63,7 +63,7 @@ MIN_TRANSFORMERS = (5, 24)  # oldest release whose cache layers this binding was
 
 def check_transformers_version(version: str) -> None:
     """Raise ConfigError when transformers `version` is older than MIN_TRANSFORMERS."""
-    if Version(version).release[:2] < MIN_TRANSFORMERS:
+    if tuple(int(n) for n in re.findall(r'\d+', version)[:2]) < MIN_TRANSFORMERS:
         least = '.'.join(map(str, MIN_TRANSFORMERS))
         raise ConfigError(
             f'transformers {version} is too old for the state binding (its cache layers '
