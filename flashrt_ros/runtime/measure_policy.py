@@ -26,23 +26,8 @@ import time
 import torch
 
 from .config import RuntimeConfig
+from .measure import _sync, sample_s
 from .runtime import Runtime
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == 'cuda':
-        torch.cuda.synchronize(device)
-
-
-def _times_s(fn, repeats: int, device: torch.device) -> list[float]:
-    out = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def _summary(times: list[float]) -> dict:
@@ -74,18 +59,18 @@ def measure_length(rt: Runtime, history: torch.Tensor, repeats: int, stepwise: b
         return rt.act(nxt)
 
     cold_chunk = cold_batched()
-    cold_s = statistics.median(_times_s(cold_batched, cold_repeats, rt.device))
+    cold_s = statistics.median(sample_s(cold_batched, cold_repeats, rt.device))
     rt.reset()
     rt.act(history[:length])
     info = rt.snapshot('measure-policy', tier='device')
     rt.restore('measure-policy')  # warm the copy path
-    restore = _times_s(lambda: rt.restore('measure-policy'), repeats, rt.device)
+    restore = sample_s(lambda: rt.restore('measure-policy'), repeats, rt.device)
     warm_chunk = warm()
-    warm_s = statistics.median(_times_s(warm, repeats, rt.device))
+    warm_s = statistics.median(sample_s(warm, repeats, rt.device))
     rt.restore('measure-policy')
     steps = [rt.act(history[i % length]).latency_s for i in range(repeats)]
     rt.restore('measure-policy')
-    commit = _times_s(lambda: rt.arena.pack(rt.position, whole=False), repeats, rt.device)
+    commit = sample_s(lambda: rt.arena.pack(rt.position, whole=False), repeats, rt.device)
     result = {
         'length': length,
         'capsule_bytes': info.nbytes,
