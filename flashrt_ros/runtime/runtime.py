@@ -30,9 +30,9 @@ flight is abandoned at its next module call (a global forward pre-hook, armed on
 preemption waits, raises on the generation thread, so the wait is a small fraction of a
 step, and a long prefill is cut short too) and the generation thread itself writes the
 capsule over the half-updated state (the rows the abandoned forward may have written are
-zeroed with the rest of the stale tail). The turn
-ends with stop_reason "interrupted" and is not committed. A captured CUDA graph replays as
-one launch, so there the wait is up to one step.
+zeroed with the rest of the stale tail). The turn ends with stop_reason "interrupted" and
+is not committed. A captured CUDA graph replays as one launch, so there the wait is up to
+one step.
 
 Policy mode (a robot policy model, models/policy.py): act(observation) replaces prefill and
 generate. position counts observations; every act() is a committed boundary; the action
@@ -813,17 +813,7 @@ class Runtime:
             if mode == 'full' and cap.tier == 'device':
                 entry = cap
             elif mode == 'full' and (cap.tier == 'host' or blob is not cap.blob):
-                entry = Capsule(
-                    name=f'@boundary-{self.position}',
-                    tier='device',
-                    blob=blob,
-                    packing=cap.packing,
-                    manifest=self.arena.manifest,
-                    fingerprint=self.fingerprint,
-                    position=self.position,
-                    meta_json=cap.meta_json,
-                    components=self._components,
-                )
+                entry = cap.with_blob(f'@boundary-{self.position}', 'device', blob)
                 entry.restore_cache['meta'] = meta
             else:
                 entry = self._capture(f'@boundary-{self.position}', 'device', whole=False)
