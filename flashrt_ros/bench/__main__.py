@@ -77,7 +77,8 @@ def make_plan(args, workdir):
     return Plan(
         quick=quick, lengths=lengths, sizes=sorted({64} | set(lengths)), repeats=repeats,
         fast_repeats=6 * repeats, budget_s=args.budget_s or (20.0 if quick else 150.0),
-        decode_steps=16 if quick else 64, correctness_steps=64,
+        decode_steps=16 if quick else 32, decode_rounds=max(4, 4 * repeats),
+        correctness_steps=64,
         round_trips=50 if quick else 500, interrupts=20 if quick else 200,
         node_model=args.node_model, workdir=workdir)
 

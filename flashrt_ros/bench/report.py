@@ -55,10 +55,10 @@ def _fig3(f):
 
 
 def _fig4(f):
-    tps = f['tokens_per_s']
-    arena = tps['arena']['median']
-    header = ['decode path', 'tokens/s median (p10-p90)', 'arena / this', 'n']
-    rows = [[k, _ms(v, 1), _num(arena / v['median'] if v['median'] else None), v['n']]
+    tps, over = f['tokens_per_s'], f.get('arena_over', {})
+    header = ['decode path', 'tokens/s median (p10-p90)', 'arena / this, per round: median '
+              '(p10-p90)', 'n']
+    rows = [[k, _ms(v, 1), _ms(over[k], 2) if k in over else '', v['n']]
             for k, v in tps.items()]
     return header, rows
 

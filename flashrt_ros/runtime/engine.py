@@ -86,7 +86,7 @@ class Engine:
         if hook is not None:
             hook.remove()
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def prefill(self, ids: list[int], position: int) -> None:
         """Consume ids at `position` (chunked); leaves the next-token logits in the arena."""
         t = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, T]
@@ -95,11 +95,11 @@ class Engine:
             out = self.adapter.forward(chunk, kv_len=position + start + chunk.shape[1])  # [1, V]
         self.logits.copy_(out[0])
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _step(self, kv_len: int | None = None) -> None:
         self.logits.copy_(self.adapter.forward(self.token, kv_len)[0])  # [V], cast to fp32
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def decode(self, token: int, position: int) -> None:
         """Consume one token at `position`; replays the captured graph when it applies."""
         self.token.fill_(token)
@@ -108,7 +108,7 @@ class Engine:
         else:
             self._step(kv_len=position + 1)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def capture(self) -> bool:
         """
         Capture the decode step in a CUDA graph.
@@ -143,7 +143,7 @@ class Engine:
         self.graph = None
         self.disarm_abort()
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def sample(
         self, temperature: float, top_k: int, top_p: float, generator: torch.Generator
     ) -> int:
@@ -209,7 +209,7 @@ class PolicyEngine:
                 'float32 conversion); rejected before it reached the state')
         return x
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self, observations: torch.Tensor, position: int,
              generator: torch.Generator) -> torch.Tensor:
         """Fold [T, obs_dim] observations in; the new chunk [H, A] becomes the queue."""

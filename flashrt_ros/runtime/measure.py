@@ -101,8 +101,19 @@ def arena_decode_tps(rt: Runtime, ids: list[int], steps: int) -> float:
 
 
 @torch.no_grad()
-def dynamic_cache_decode_tps(model, ids: list[int], steps: int, device: torch.device) -> float:
-    """Greedy decode tokens/s of the same model in a plain loop over a DynamicCache."""
+def dynamic_cache_decode_tps(model, ids: list[int], steps: int, device: torch.device,
+                             inference_mode: bool = False) -> float:
+    """
+    Greedy decode tokens/s of the same model in a plain loop over a DynamicCache.
+
+    Under no_grad, as transformers' generate() runs it; inference_mode=True runs the loop
+    under torch.inference_mode as the engine does, which isolates what the binding costs.
+    """
+    with torch.inference_mode(inference_mode):
+        return _dynamic_cache_loop(model, ids, steps, device)
+
+
+def _dynamic_cache_loop(model, ids: list[int], steps: int, device: torch.device) -> float:
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
@@ -146,27 +157,42 @@ def hf_generate_decode_tps(model, ids: list[int], steps: int, device: torch.devi
     return (len(tokens) - 1) / (tokens[-1] - tokens[0])
 
 
-def decode_vs_dynamic_cache(
-    rt: Runtime, prompt_tokens: int = 64, steps: int = 48, rounds: int = 3
-) -> dict:
+def paired_decode_rounds(paths: dict, rounds: int) -> dict:
     """
-    Greedy decode tokens/s: arena engine vs the same model with a DynamicCache.
+    Call every tokens/s function of `paths` once per round, in a rotating order.
 
-    The two run alternately `rounds` times and the best round of each counts, so a noisy
-    neighbour on a small machine does not decide the ratio.
+    Returns {name: [tokens/s per round]}. A ratio of two paths is best taken round by round
+    (paired_ratio): the machine's speed drifts, and a round's paths ran seconds apart.
     """
-    ids = _ids(rt, prompt_tokens, seed=1)
+    names = list(paths)
+    out = {name: [] for name in names}
+    for i in range(rounds):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            out[name].append(paths[name]())
+    return out
+
+
+def paired_ratio(a: list[float], b: list[float]) -> float:
+    """Median over rounds of a[i] / b[i]."""
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
+def decode_vs_dynamic_cache(
+    rt: Runtime, prompt_tokens: int = 64, steps: int = 32, rounds: int = 8
+) -> dict:
+    """Greedy decode tokens/s: arena engine vs the same model with a DynamicCache, paired."""
+    ids, model = _ids(rt, prompt_tokens, seed=1), rt.adapter.model
     rt.reset()
     rt.warmup()
-    arena, dynamic = [], []
-    for _ in range(rounds):
-        arena.append(arena_decode_tps(rt, ids, steps))
-        dynamic.append(dynamic_cache_decode_tps(rt.adapter.model, ids, steps, rt.device))
+    tps = paired_decode_rounds({
+        'arena': lambda: arena_decode_tps(rt, ids, steps),
+        'dynamic': lambda: dynamic_cache_decode_tps(model, ids, steps, rt.device),
+    }, rounds)
     rt.reset()
     return {
-        'arena_tokens_per_s': max(arena),
-        'dynamic_cache_tokens_per_s': max(dynamic),
-        'ratio': max(arena) / max(dynamic),
+        'arena_tokens_per_s': statistics.median(tps['arena']),
+        'dynamic_cache_tokens_per_s': statistics.median(tps['dynamic']),
+        'ratio': paired_ratio(tps['arena'], tps['dynamic']),
         'cuda_graph': rt.stats()['cuda_graph'],
     }
 

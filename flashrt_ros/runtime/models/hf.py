@@ -158,7 +158,7 @@ class CacheBinding:
         sliding = _cache_classes().StaticSlidingWindowLayer
         return any(isinstance(layer, sliding) for layer in self.cache.layers)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _probe_specs(self, config, probe: Callable[[Any], None]) -> list[StateSpec]:
         """One throwaway forward to learn each state tensor's shape and dtype."""
         cu = _cache_classes()
@@ -335,7 +335,7 @@ class HFCausalLMAdapter(BindingDelegate, CausalLMAdapter):
         self.cache = self.binding.cache
         self._windowed = self.binding.windowed  # a test empties it to attend over everything
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _probe(self, cache) -> None:
         ids = torch.arange(PROBE_TOKENS, device=self.device).unsqueeze(0)  # [1, P]
         self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
@@ -357,7 +357,7 @@ class HFCausalLMAdapter(BindingDelegate, CausalLMAdapter):
 
     # ---- compute ---------------------------------------------------------------------
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
         window = None
         if kv_len is not None:

@@ -171,7 +171,7 @@ class SequencePolicy(BindingDelegate, torch.nn.Module):
                                         self._probe)
         return list(self.binding.specs)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _probe(self, cache) -> None:
         p = next(self.parameters())
         x = torch.zeros(1, PROBE_TOKENS, self.backbone.config.hidden_size, device=p.device,
@@ -180,7 +180,7 @@ class SequencePolicy(BindingDelegate, torch.nn.Module):
 
     # ---- compute ---------------------------------------------------------------------
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def forward(self, observations: torch.Tensor, position: int,
                 generator: torch.Generator) -> torch.Tensor:
         self.binding.set_window(position + observations.shape[0])
@@ -229,7 +229,7 @@ class ModulePolicyAdapter(PolicyAdapter):
         if hasattr(self.module, 'reset_meta'):
             self.module.reset_meta()
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def act(self, observations: torch.Tensor, position: int,
             generator: torch.Generator) -> torch.Tensor:
         actions = self.module(observations.to(self.device, self.dtype), position, generator)
