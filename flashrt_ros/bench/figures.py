@@ -20,7 +20,6 @@ from flashrt_ros.runtime.measure import (
     raw_copy,
     restored_first_token_s,
     sample_interleaved_s,
-    sample_s,
     token_ids,
 )
 import numpy as np
@@ -159,13 +158,19 @@ def fig1_snapshot_restore(rt, plan, log):
             raw_snapshot, raw_restore, raw_what = _raw_copies(rt, tier, nbytes, plan)
             # Ours and the raw copies take turns, so a noisy neighbour hits both alike. Each
             # snapshot makes a new capsule, so each round has a first restore (which builds
-            # the capsule's copy plan) and a repeated one (the interrupt/reset path).
-            snap, raw_snap, first, rest, raw_rest = sample_interleaved_s(
-                [lambda: rt.snapshot(name, tier), raw_snapshot, lambda: rt.restore(name),
-                 lambda: rt.restore(name), raw_restore], plan.fast_repeats, rt.device)
+            # the capsule's copy plan) and a repeated one (the interrupt/reset path). Both
+            # find the live state in the capsule's lineage and skip the sequence rows it
+            # already holds. The full restores run after the lineage was forgotten (as after
+            # a restore from another branch or from disk) and copy every byte; the second
+            # one, with its copy plan built, is the one compared with the raw copy.
+            forget, restore = rt.arena.begin_epoch, lambda: rt.restore(name)
+            snap, raw_snap, first, rest, _, _, _, full, raw_rest = sample_interleaved_s(
+                [lambda: rt.snapshot(name, tier), raw_snapshot, restore, restore, forget,
+                 restore, forget, restore, raw_restore], plan.fast_repeats, rt.device)
             rt.delete_capsule(name)
             row = {'position': size, 'tier': tier, 'bytes': nbytes, 'raw_copy': raw_what,
-                   'snapshot_ms': _stats_ms(snap), 'restore_ms': _stats_ms(rest),
+                   'snapshot_ms': _stats_ms(snap), 'restore_ms': _stats_ms(full),
+                   'restore_same_lineage_ms': _stats_ms(rest),
                    'first_restore_ms': _stats_ms(first),
                    'raw_snapshot_ms': _stats_ms(raw_snap), 'raw_restore_ms': _stats_ms(raw_rest)}
             for op in ('snapshot', 'restore'):
@@ -173,9 +178,12 @@ def fig1_snapshot_restore(rt, plan, log):
                 row[f'{op}_vs_raw'] = ratio(ours, raw)
                 row[f'{op}_mb_per_s'] = _mb_per_s(nbytes, ours / 1e3)
                 row[f'raw_{op}_mb_per_s'] = _mb_per_s(nbytes, raw / 1e3)
+            row['restore_same_lineage_vs_raw'] = ratio(
+                row['restore_same_lineage_ms']['median'], row['raw_restore_ms']['median'])
             rows.append(row)
             log(f'fig1 position {size} {tier}: {nbytes / 2**20:.2f} MiB, restore '
-                f'{row["restore_ms"]["median"]:.3f} ms vs raw '
+                f'{row["restore_ms"]["median"]:.3f} ms (same lineage '
+                f'{row["restore_same_lineage_ms"]["median"]:.3f}) vs raw '
                 f'{row["raw_restore_ms"]["median"]:.3f} ms')
     _cleanup(rt, 'bench-f1-')
     device_rows = [r for r in rows if r['tier'] == 'device']
@@ -183,7 +191,8 @@ def fig1_snapshot_restore(rt, plan, log):
         'title': 'Snapshot / restore latency vs state size, per tier, vs a raw copy of the '
                  'same bytes',
         'rows': rows,
-        'target': 'device-tier full restore within 1.3x of a raw copy_ of the same bytes',
+        'target': 'device-tier full restore (every byte copied) within 1.3x of a raw copy_ '
+                  'of the same bytes',
         'target_holds': all(r['restore_vs_raw'] <= 1.3 for r in device_rows),
         'target_holds_at': [r['position'] for r in device_rows if r['restore_vs_raw'] <= 1.3],
     }
@@ -351,9 +360,11 @@ def fig6_kv_only_prefix(rt, plan, log):
         name = f'bench-kvp-{length}'
         _extend_prefix(rt, prefix, capsule, length, name)
         capsule = (length, name)
-        full = sample_s(lambda: rt.restore(name), plan.fast_repeats, rt.device)
-        kv_only = sample_s(lambda: rt.restore(name, mode='kv_only'), plan.fast_repeats,
-                           rt.device)
+        # Both restores copy every byte they restore: the live state's lineage is forgotten
+        # first (a prefix cache serves states the live one does not descend from).
+        _, full, _, kv_only = sample_interleaved_s(
+            [rt.arena.begin_epoch, lambda: rt.restore(name), rt.arena.begin_epoch,
+             lambda: rt.restore(name, mode='kv_only')], plan.fast_repeats, rt.device)
         needed, recurrent, total = [], [], []
         for _ in range(n_slow):
             times = prefill_layer_times(rt, prefix[:length])

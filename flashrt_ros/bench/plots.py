@@ -48,6 +48,10 @@ def fig1(f, path, subtitle):
             med, err = _err([r[f'{op}_ms'] for r in rows])
             ax.errorbar(mib, med, yerr=err, color=color, marker='o', capsize=3,
                         label=f'{op} ({tier})')
+            if op == 'restore' and tier != 'disk':
+                ax.plot(mib, [r['restore_same_lineage_ms']['median'] for r in rows],
+                        color=color, linestyle=':', marker='^', alpha=0.8,
+                        label=f'same-lineage restore ({tier})')
             ax.plot(mib, [r[f'raw_{op}_ms']['median'] for r in rows], color=color,
                     linestyle='--', marker='x', alpha=0.8, label=f'raw copy ({tier})')
         ax.set_xscale('log')
@@ -57,6 +61,8 @@ def fig1(f, path, subtitle):
         ax.grid(True, which='both', alpha=0.3)
         _plain(ax)
     axes[0].set_ylabel('latency (ms, median; bars p10-p90)')
+    axes[1].set_title('restore: full copy (solid), same lineage (dotted), raw copy (dashed)',
+                      fontsize=10)
     axes[1].legend(fontsize=7, ncol=2)
     return _save(fig, path, subtitle)
 

@@ -19,12 +19,15 @@ def _yes(flag):
 
 def _fig1(f):
     header = ['position', 'tier', 'MiB', 'snapshot ms', 'raw ms', 'x raw', 'restore ms',
-              'raw ms', 'x raw', 'restore GB/s', 'raw GB/s', '1st restore ms', 'n']
+              'raw ms', 'x raw', 'restore GB/s', 'raw GB/s', 'same-lineage restore ms',
+              'x raw', '1st restore ms', 'n']
     rows = [[r['position'], r['tier'], f'{r["bytes"] / 2**20:.2f}',
              _num(r['snapshot_ms']['median'], '.3f'), _num(r['raw_snapshot_ms']['median'], '.3f'),
              _num(r['snapshot_vs_raw']), _num(r['restore_ms']['median'], '.3f'),
              _num(r['raw_restore_ms']['median'], '.3f'), _num(r['restore_vs_raw']),
              _num(r['restore_mb_per_s'] / 1e3), _num(r['raw_restore_mb_per_s'] / 1e3),
+             _num(r['restore_same_lineage_ms']['median'], '.3f'),
+             _num(r['restore_same_lineage_vs_raw']),
              _num(r['first_restore_ms']['median'], '.3f'), r['restore_ms']['n']]
             for r in f['rows']]
     return header, rows

@@ -9,22 +9,34 @@ device. The arena is allocated once and only ever written in place, so:
   * the manifest (name, kind, dtype, shape, byte offset) fully describes the layout and
     its hash is the layout fingerprint a capsule must match.
 
-Invariant kept by everyone that writes the arena: along a tensor's sequence axis
-(`seq_dim`, the KV time axis) every row at index >= the live position is zero. That is
-what lets a snapshot copy only the used prefix and a restore still reproduce the full
-arena byte for byte (it copies the prefix back and zeroes the rows the newer state used).
+Invariants kept by everyone that writes the arena, along a tensor's sequence axis
+(`seq_dim`, the KV time axis):
+  * every row at index >= the live position is zero. That is what lets a snapshot copy
+    only the used prefix and a restore still reproduce the full arena byte for byte (it
+    copies the prefix back and zeroes the rows the newer state used);
+  * rows are append-only: a step at `position` writes rows >= position, never an earlier
+    one. Only a restore or a reset rewrites old rows, and each starts a new *epoch*. So two
+    states of one epoch agree on every row both have, and a restore can skip the rows the
+    live state provably shares with the capsule (see rows_shared): the interrupt path,
+    back to a checkpoint taken moments ago, then copies the recurrent and conv state and
+    zeroes the few rows written since, whatever the length of the context.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 import hashlib
+import itertools
 import json
+import sys
 from typing import Iterable, Sequence
 
 import torch
 
 ALIGN = 256  # bytes; keeps every view aligned for any dtype and for vectorized copies
+LINEAGE_LINKS = 256  # epochs whose parent link is remembered (older ones: copy everything)
+LINEAGE_WALK = 32  # parent links followed before a restore gives up and copies everything
+_EPOCHS = itertools.count(1)  # process-wide, so epochs of different arenas never collide
 
 _DTYPE_NAMES = {
     torch.float32: 'float32',
@@ -61,7 +73,9 @@ class StateSpec:
     kind: str  # "kv" | "conv" | "recurrent" | "position" | "logits" | "mtp" | ...
     shape: tuple[int, ...]
     dtype: torch.dtype
-    seq_dim: int | None = None  # axis indexed by token position; only rows < position are live
+    # Axis indexed by token position: only rows < position are live, rows >= position are
+    # zero, and a step writes rows >= position only (append-only; see the module docstring).
+    seq_dim: int | None = None
 
 
 @dataclass(frozen=True)
@@ -262,6 +276,8 @@ class StateArena:
         self._index = {e.name: i for i, e in enumerate(self.manifest)}
         self._pack_plans: dict[tuple[int, bool], tuple] = {}
         self._restore_plans: dict[tuple, tuple] = {}
+        self.epoch = next(_EPOCHS)  # changes whenever a row before the live position is rewritten
+        self._parents: dict[int, tuple[int, int]] = {}  # epoch -> (parent epoch, rows shared)
         # The storage as words of every width (nbytes is a multiple of ALIGN) for _Run views.
         self._words = {dtype: self.storage.view(dtype) for _, dtype in _WORDS}
         layout = {'align': align, 'entries': [e.to_json() for e in self.manifest]}
@@ -279,6 +295,40 @@ class StateArena:
 
     def zero_(self) -> None:
         self.storage.zero_()
+        self.begin_epoch()
+
+    # ---- lineage: which sequence rows the live state shares with a capsule ------------
+
+    def begin_epoch(self, parent: int | None = None, rows: int = 0) -> None:
+        """
+        Start a new epoch: call after anything rewrote rows before the live position.
+
+        parent/rows: the new state's first `rows` sequence rows are those of epoch `parent`
+        (a restore of a capsule taken in `parent` at position `rows`).
+        """
+        self.epoch = next(_EPOCHS)
+        if parent is not None and rows > 0:
+            if len(self._parents) >= LINEAGE_LINKS:
+                del self._parents[next(iter(self._parents))]  # the oldest link
+            self._parents[self.epoch] = (parent, rows)
+
+    def rows_shared(self, epoch: int | None) -> int:
+        """
+        Return how many leading sequence rows the live state shares with epoch `epoch`.
+
+        Any state taken in `epoch` agrees with the live one on that many rows (sys.maxsize
+        within the live epoch, 0 when the lineage is unknown).
+        """
+        e, shared = self.epoch, sys.maxsize
+        for _ in range(LINEAGE_WALK):
+            if e == epoch:
+                return shared
+            link = self._parents.get(e)
+            if link is None:
+                return 0
+            e, rows = link
+            shared = min(shared, rows)
+        return 0
 
     def digest(self, hasher: 'hashlib._Hash') -> None:
         """Feed every arena byte to hasher (copies to host first when on an accelerator)."""
@@ -413,22 +463,29 @@ class StateArena:
         return self._words[dtype], blob.view(dtype)
 
     def copy_pairs(
-        self, blob: torch.Tensor, packing: Packing, kinds: set[str] | None = None
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[_Run]]:
-        """(arena destinations, blob sources, runs with rows) for a restore of blob."""
+        self, blob: torch.Tensor, packing: Packing, kinds: set[str] | None = None,
+        skip_rows: bool = False,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[_Run], int]:
+        """
+        (arena destinations, blob sources, runs with rows, bytes copied) for a restore.
+
+        skip_rows leaves out every copy of sequence rows: the caller knows the live state
+        already holds them (rows_shared); their stale tails are still zeroed.
+        """
         start = blob.storage_offset()
-        key = (packing, None if kinds is None else tuple(sorted(kinds)), start % 8)
+        key = (packing, None if kinds is None else tuple(sorted(kinds)), start % 8, skip_rows)
         plan = self._restore_plans.get(key)
         if plan is None:  # the arena side depends on the packing only: shared by capsules
             runs = self.runs(packing, kinds)
-            copied = [(r, r.word(start)) for r in runs if r.nbytes]
+            copied = [(r, r.word(start)) for r in runs
+                      if r.nbytes and not (skip_rows and r.rows is not None)]
             plan = (copied, [r.arena_view(self._words, dtype=d) for r, d in copied],
-                    [r for r in runs if r.rows is not None])
+                    [r for r in runs if r.rows is not None], sum(r.nbytes for r, _ in copied))
             if len(self._restore_plans) >= 16:
                 self._restore_plans.clear()
             self._restore_plans[key] = plan
-        copied, dsts, partial = plan
-        return dsts, [r.blob_view(blob, d) for r, d in copied], partial
+        copied, dsts, partial, nbytes = plan
+        return dsts, [r.blob_view(blob, d) for r, d in copied], partial, nbytes
 
     def unpack(
         self,
@@ -437,24 +494,32 @@ class StateArena:
         live_position: int,
         kinds: set[str] | None = None,
         pairs: tuple | None = None,
-    ) -> None:
+        lineage: tuple[int | None, int] = (None, 0),
+    ) -> int:
         """
-        Copy a snapshot blob back into the arena in place.
+        Copy a snapshot blob back into the arena in place; return the bytes copied.
 
         kinds=None restores everything; a set restores only entries of those kinds (the
         KV-only ablation). Rows a newer state wrote past the snapshot's prefix (up to
-        live_position) are zeroed, which re-establishes the zero-tail invariant.
+        live_position) are zeroed, which re-establishes the zero-tail invariant. `pairs`
+        (from copy_pairs) may skip the sequence rows the live state already shares.
+        lineage: (epoch, position) of the capsule, the parent of the epoch this begins.
         """
         if packing.whole and kinds is None:
             arena, words = self._whole(blob)
             arena.copy_(words)  # one copy; the tail comes back as it was
-            return
-        dsts, srcs, partial = pairs if pairs is not None else self.copy_pairs(blob, packing, kinds)
-        torch._foreach_copy_(dsts, srcs)  # one call for all runs
+            self.begin_epoch(*lineage)
+            return self.nbytes
+        dsts, srcs, partial, nbytes = (
+            pairs if pairs is not None else self.copy_pairs(blob, packing, kinds))
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)  # one call for all runs
         for r in partial:
             stale_end = min(max(live_position, r.rows), r.seq_len)
             if stale_end > r.rows:
                 r.arena_view(self._words, (r.rows, stale_end)).zero_()
+        self.begin_epoch(*lineage)
+        return nbytes
 
     def check_compatible(self, manifest: Sequence[ManifestEntry]) -> bool:
         return tuple(manifest) == self.manifest

@@ -123,6 +123,7 @@ class Capsule:
         checksum: str = '',
         nbytes: int | None = None,
         path: Path | None = None,
+        epoch: int | None = None,
     ):
         self.name, self.tier, self.blob, self.packing = name, tier, blob, packing
         self.manifest, self.fingerprint, self.position = manifest, fingerprint, position
@@ -132,6 +133,9 @@ class Capsule:
         self.nbytes = int(blob.numel()) if nbytes is None else nbytes
         self.last_used = time.monotonic()
         self.restore_cache: dict = {}  # per-arena restore plan (views), built on first restore
+        # The arena epoch the state was taken in (arena.rows_shared); None when unknown, as
+        # for a capsule read from disk. In memory only: epochs are per process.
+        self.epoch = epoch
 
     @property
     def meta(self) -> dict:
@@ -182,6 +186,7 @@ class Capsule:
             components=self.components,
             created=time.time(),
             checksum='',
+            epoch=self.epoch,  # the same state bytes
         )
 
 

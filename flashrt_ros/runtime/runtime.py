@@ -232,6 +232,7 @@ class Runtime:
         )
         self._restore_times: collections.deque[float] = collections.deque(maxlen=1000)
         self._last_restore_s = 0.0
+        self._last_restore_copied = 0
         self._decode_tps = 0.0
         self.position = 0
         self._pending: int | None = None
@@ -310,6 +311,7 @@ class Runtime:
             meta_json=json.dumps(meta, sort_keys=True),
             components=self._components,
             pinned=pinned,
+            epoch=self.arena.epoch,
         )
         # What _check_capsule would parse from meta_json, known here: the first restore of a
         # fresh capsule (an interrupt back to the last checkpoint) skips parsing the sampler
@@ -364,15 +366,21 @@ class Runtime:
         blob = cap.blob
         if blob.device != self.device:
             blob = blob.to(self.device, non_blocking=True)  # pinned host -> device DMA
-        key = (id(self.arena), blob.data_ptr(), None if kinds is None else tuple(sorted(kinds)))
+        # The sequence rows the live state already shares with the capsule (same lineage,
+        # e.g. back to a checkpoint taken moments ago) are not copied again.
+        skip = self.arena.rows_shared(cap.epoch) >= cap.position
+        key = (id(self.arena), blob.data_ptr(), None if kinds is None else tuple(sorted(kinds)),
+               skip)
         pairs = cap.restore_cache.get(key)
         if pairs is None and not (cap.packing.whole and kinds is None):
             # Typed views of the blob and the arena, built once per capsule: repeated restores
             # (the interrupt/reset path) then cost one fused copy call, not one per tensor.
-            pairs = self.arena.copy_pairs(blob, cap.packing, kinds)
+            pairs = self.arena.copy_pairs(blob, cap.packing, kinds, skip)
             if blob is cap.blob:
                 cap.restore_cache[key] = pairs
-        self.arena.unpack(blob, cap.packing, max(self.position, self._extent), kinds, pairs)
+        self._last_restore_copied = self.arena.unpack(
+            blob, cap.packing, max(self.position, self._extent), kinds, pairs,
+            (cap.epoch, cap.position))
         self._extent = 0
         self.adapter.import_meta(meta['adapter'])
         self.generator.set_state(meta['rng'])
@@ -450,6 +458,7 @@ class Runtime:
                     self.engine.capture()
             finally:
                 self.arena.storage.copy_(saved)
+                self.arena.begin_epoch()  # the old rows are back, but the lineage is not
                 self.adapter.import_meta(meta)
                 if self.device.type == 'cuda':
                     torch.cuda.synchronize(self.device)
@@ -815,6 +824,7 @@ class Runtime:
             elif mode == 'full' and (cap.tier == 'host' or blob is not cap.blob):
                 entry = cap.with_blob(f'@boundary-{self.position}', 'device', blob)
                 entry.restore_cache['meta'] = meta
+                entry.epoch = self.arena.epoch  # the live state as the restore left it
             else:
                 entry = self._capture(f'@boundary-{self.position}', 'device', whole=False)
             self._ring.append(entry)
@@ -949,6 +959,9 @@ class Runtime:
                 'depth': self.config.rollback_depth,
             },
             'last_restore_s': self._last_restore_s,
+            # Bytes the last restore/rollback copied: less than the capsule when the live
+            # state already held its sequence rows (same lineage).
+            'last_restore_copied_bytes': self._last_restore_copied,
             'p99_restore_s': p99,
             'decode_tokens_per_s': self._decode_tps,
             'cuda_graph': bool(not self._closed and self.engine.graph is not None),
