@@ -5,7 +5,10 @@ An adapter owns a model and the model's view of its state; the runtime owns the 
 The contract, in the order the runtime uses it:
 
 1. `state_specs()`  – every state tensor the model reads or writes between calls, with
-                       its kind, shape, dtype and (for KV) the sequence axis.
+                       its kind, shape, dtype and (for KV) the sequence axis. A tensor
+                       with a sequence axis is append-only: a step at `position` writes
+                       rows >= position only and rows past the live position stay zero
+                       (restores rely on both; see arena.py).
 2. `bind(views)`    – point the model's state at the arena views it was handed. After
                        this the adapter must never allocate or reassign state tensors.
 3. run steps        – language models: `forward(ids)`; policies: `act(observations)`.

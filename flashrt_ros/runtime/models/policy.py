@@ -33,7 +33,8 @@ Extension point - your own torch policy. Any nn.Module with these methods can be
             # Every tensor carried from one step to the next (GRU hidden state, a buffer of
             # past frames, ...): name, kind, shape, dtype. Kinds 'conv' and 'recurrent' are
             # what the kv_only ablation leaves alone; a 'kv' tensor may give seq_dim (rows
-            # >= the position must stay zero) so capsules copy only the used prefix.
+            # >= the position must stay zero, a step writes rows >= its position only) so
+            # capsules copy only the used prefix and restores skip rows already live.
         def bind(self, views):                 # views: dict name -> arena tensor
             # Keep these views; read and write state ONLY through them, in place
             # (view.copy_(new)). Never reassign or allocate state afterwards.
