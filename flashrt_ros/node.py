@@ -1199,6 +1199,7 @@ class FlashRTNode(LifecycleNode):
                 values['rollback_ring_bytes'] = ring.get('bytes_used', 0)
                 values['last_restore_ms'] = f'{stats.get("last_restore_s", 0.0) * 1e3:.4f}'
                 values['p99_restore_ms'] = f'{stats.get("p99_restore_s", 0.0) * 1e3:.4f}'
+                values['last_restore_copied_bytes'] = stats.get('last_restore_copied_bytes', 0)
                 values['decode_tokens_per_s'] = f'{stats.get("decode_tokens_per_s", 0.0):.1f}'
                 values['cuda_graph'] = stats.get('cuda_graph', False)
                 if 'control_step_s' in stats:
