@@ -239,9 +239,19 @@ def typed_view(
 class StateArena:
     """One contiguous allocation holding every state tensor as a typed view."""
 
-    def __init__(self, specs: Iterable[StateSpec], device: torch.device | str, align: int = ALIGN):
+    def __init__(self, specs: Iterable[StateSpec], device: torch.device | str, align: int = ALIGN,
+                 max_position: int | None = None):
+        """
+        Lay out `specs` in one zeroed allocation on `device`.
+
+        max_position: the longest sequence the runtime runs. Sequence tensors at least that
+        long are append-only over a whole sequence, so a restore may skip the rows the live
+        state shares with the capsule; a shorter one (a rolling window of recent steps) is
+        always copied. None: every one is always copied.
+        """
         self.device = torch.device(device)
         self.align = align
+        self.max_position = max_position
         # Order: every tensor without a sequence axis first (one dense region a snapshot copies
         # as one range), then the KV tensors grouped by layout (equal dtype and shape), so a
         # snapshot or restore is a few strided copies whatever the number of layers.
@@ -477,8 +487,9 @@ class StateArena:
         plan = self._restore_plans.get(key)
         if plan is None:  # the arena side depends on the packing only: shared by capsules
             runs = self.runs(packing, kinds)
-            copied = [(r, r.word(start)) for r in runs
-                      if r.nbytes and not (skip_rows and r.rows is not None)]
+            copied = [(r, r.word(start)) for r in runs if r.nbytes and not (
+                skip_rows and r.rows is not None and self.max_position is not None
+                and r.seq_len >= self.max_position)]
             plan = (copied, [r.arena_view(self._words, dtype=d) for r, d in copied],
                     [r for r in runs if r.rows is not None], sum(r.nbytes for r, _ in copied))
             if len(self._restore_plans) >= 16:
@@ -510,6 +521,9 @@ class StateArena:
             arena.copy_(words)  # one copy; the tail comes back as it was
             self.begin_epoch(*lineage)
             return self.nbytes
+        if kinds is not None and any(e.seq_dim is not None and e.kind not in kinds
+                                     for e in self.manifest):
+            lineage = (None, 0)  # some sequence rows stay the live state's, not the capsule's
         dsts, srcs, partial, nbytes = (
             pairs if pairs is not None else self.copy_pairs(blob, packing, kinds))
         if dsts:

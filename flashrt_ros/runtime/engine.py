@@ -209,7 +209,7 @@ class PolicyEngine:
                 'float32 conversion); rejected before it reached the state')
         return x
 
-    @torch.inference_mode()
+    @torch.no_grad()  # the adapter picks its own mode; the chunk handed out is a plain tensor
     def step(self, observations: torch.Tensor, position: int,
              generator: torch.Generator) -> torch.Tensor:
         """Fold [T, obs_dim] observations in; the new chunk [H, A] becomes the queue."""

@@ -204,7 +204,7 @@ class Runtime:
                 StateSpec('logits', 'logits', (self.adapter.vocab_size,), torch.float32),
                 StateSpec('tokens', 'tokens', (config.max_seq_len,), torch.int32, seq_dim=0),
             ]
-        self.arena = StateArena(specs, self.device)
+        self.arena = StateArena(specs, self.device, max_position=config.max_seq_len)
         self.adapter.bind(self.arena.views)
         if self.is_policy:
             self.engine = PolicyEngine(self.adapter, self.arena.views)

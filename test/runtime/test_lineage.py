@@ -9,7 +9,10 @@ after every operation.
 import random
 
 from conftest import greedy, PROMPT
+from flashrt_ros.runtime.arena import StateSpec
+from flashrt_ros.runtime.models import ModulePolicyAdapter, PolicySpec
 import pytest
+import torch
 
 
 def _full_copy_only(rt):
@@ -111,3 +114,71 @@ def test_random_operations_match_a_runtime_that_always_copies_everything(
         assert fast.state_digest() == slow.state_digest(), f'step {step}: {op} {args}'
     assert skipped > 0  # the sequence exercised restores that skipped rows
     assert greedy(fast, 8) == greedy(slow, 8)
+
+
+class _Frames(torch.nn.Module):
+    """A policy keeping observations along a sequence axis: all of them, or the last `keep`."""
+
+    def __init__(self, kind='kv', keep=None):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 8)
+        self.kind, self.keep = kind, keep
+
+    def state_specs(self, max_steps):
+        return [StateSpec('frames', self.kind, (self.keep or max_steps, 3), torch.float32,
+                          seq_dim=0)]
+
+    def bind(self, views):
+        self.frames = views['frames']
+
+    def forward(self, obs, position, generator):
+        for i, o in enumerate(obs):
+            p = position + i
+            if self.keep is None or p < self.keep:
+                self.frames[p].copy_(o)
+            else:  # full: roll (rows before the position are rewritten)
+                self.frames.copy_(torch.cat([self.frames[1:], o[None]]))
+        return torch.tanh(self.lin(self.frames.sum(0))).view(4, 2)
+
+
+def _policy_pair(make_runtime, tmp_path, module):
+    out = []
+    for name in ('a', 'b'):
+        torch.manual_seed(0)
+        adapter = ModulePolicyAdapter(module(), PolicySpec(3, 2, 4), max_steps=4096)
+        out.append(make_runtime(model='custom', max_seq_len=4096, adapter=adapter,
+                                capsule_dir=str(tmp_path / name)))
+    _full_copy_only(out[1])
+    return out
+
+
+def test_a_rolling_window_is_always_copied(make_runtime, tmp_path):
+    """A sequence tensor shorter than max_seq_len may roll: restores never skip its rows."""
+    fast, slow = _policy_pair(make_runtime, tmp_path, lambda: _Frames(keep=8))
+    for rt in (fast, slow):
+        for i in range(3):
+            rt.act([i, 0.0, 0.0])
+        rt.snapshot('early', 'host')  # host capsules are always packed (rows may be skipped)
+        for i in range(10):  # the window fills and rolls
+            rt.act([100 + i, 0.0, 0.0])
+        rt.restore('early')
+    assert fast.state_digest() == slow.state_digest()
+    assert fast.arena.views['frames'][:3, 0].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_kv_only_restore_of_a_model_with_other_sequence_state_breaks_the_lineage(
+        make_runtime, tmp_path):
+    """kv_only leaves a 'recurrent' sequence tensor as it was: its rows are not the capsule's."""
+    fast, slow = _policy_pair(make_runtime, tmp_path, lambda: _Frames(kind='recurrent'))
+    assert not fast.arena.choose_whole(5)  # packed device capsules: rows may be skipped
+    for rt in (fast, slow):
+        for i in range(5):
+            rt.act([i, 1.0, 2.0])
+        rt.snapshot('a')
+        rt.reset()
+        for i in range(5):
+            rt.act([-i, 7.0, 9.0])
+        rt.restore('a', mode='kv_only')
+        rt.restore('a')
+    assert fast.state_digest() == slow.state_digest()
+    assert fast.arena.views['frames'][:5, 0].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]

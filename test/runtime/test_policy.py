@@ -203,6 +203,39 @@ def test_a_user_module_gets_the_same_capsule_guarantees(make_runtime):
     assert math.isclose(float(module.h.abs().sum()), 0.0)
 
 
+class GradPlanner(torch.nn.Module):
+    """Refines its action chunk with a few gradient steps inside forward (test-time search)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cost = torch.nn.Linear(3 + 8, 1)
+
+    def state_specs(self, max_steps):
+        return [StateSpec('h', 'recurrent', (3,), torch.float32)]
+
+    def bind(self, views):
+        self.h = views['h']
+
+    def forward(self, observations, position, generator):
+        self.h.copy_(observations[-1])
+        a = torch.zeros(8)
+        with torch.enable_grad():
+            for _ in range(3):
+                a.requires_grad_(True)
+                loss = self.cost(torch.cat([self.h, a])).sum() + (a ** 2).sum()
+                (g,) = torch.autograd.grad(loss, a)
+                a = (a - 0.1 * g).detach()
+        return a.view(4, 2)
+
+
+def test_a_user_module_may_use_autograd_and_gets_plain_tensors(make_runtime):
+    adapter = ModulePolicyAdapter(GradPlanner(), PolicySpec(3, 2, 4), max_steps=16)
+    rt = make_runtime('user:grad-planner', adapter=adapter)
+    actions = rt.act([0.1, 0.2, 0.3]).actions
+    assert actions.shape == (4, 2) and not torch.is_inference(actions)
+    actions.clamp_(-1.0, 1.0)  # the caller's copy: editable in place
+
+
 def test_measure_policy_returns_the_figures(tmp_path):
     from flashrt_ros.runtime.measure_policy import measure_policy
 

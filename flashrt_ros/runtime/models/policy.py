@@ -230,7 +230,7 @@ class ModulePolicyAdapter(PolicyAdapter):
         if hasattr(self.module, 'reset_meta'):
             self.module.reset_meta()
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: a module may enable_grad inside (test-time steps)
     def act(self, observations: torch.Tensor, position: int,
             generator: torch.Generator) -> torch.Tensor:
         actions = self.module(observations.to(self.device, self.dtype), position, generator)
