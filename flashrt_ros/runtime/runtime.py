@@ -76,7 +76,7 @@ KV_ONLY_SKIPS = frozenset(
     {'conv', 'recurrent'}
 )  # what a KV-only restore (the ablation) leaves alone
 BUSY_MESSAGE = 'a generation is running; call interrupt() first'
-STOP_REASONS = ('max_tokens', 'eos', 'stop_string', 'interrupted', 'max_seq_len')
+STOP_REASONS = ('max_tokens', 'eos', 'stop_string', 'interrupted', 'max_seq_len', 'error')
 
 
 @dataclass(frozen=True)
@@ -420,8 +420,9 @@ class Runtime:
                 f'prompt of {len(ids)} tokens does not fit: position {self.position}, '
                 f'max_seq_len {self.config.max_seq_len}; reset() or raise max_seq_len'
             )
-        self._extent = self.position + len(ids)
-        self.engine.prefill(ids, self.position)
+        self._extent = max(self._extent, self.position + len(ids))
+        with self._guarded_forward():
+            self.engine.prefill(ids, self.position)
         tokens = self.arena.views['tokens']
         tokens[self.position:self.position + len(ids)].copy_(
             torch.tensor(ids, dtype=torch.int32)
@@ -430,10 +431,35 @@ class Runtime:
         self._pending = None
 
     def _feed(self, token: int) -> None:
-        self._extent = self.position + 1
-        self.engine.decode(token, self.position)
+        self._extent = max(self._extent, self.position + 1)
+        with self._guarded_forward():
+            self.engine.decode(token, self.position)
         self.arena.views['tokens'][self.position] = token
         self.position += 1
+
+    @contextlib.contextmanager
+    def _guarded_forward(self):
+        """
+        Put the state back when a forward fails half-way (lock held).
+
+        An error from inside the model (out of memory, a bug in a custom module, Ctrl-C)
+        can leave some layers stepped and others not. The newest committed boundary comes
+        back (the state before the call, outside a turn; a reset when rollback_depth is 0),
+        a running turn ends uncommitted, and the error goes on to the caller. A preemption's
+        StepAborted has its own path.
+        """
+        try:
+            yield
+        except StepAborted:
+            raise
+        except BaseException as exc:
+            if self._active is not None:
+                self._finish(self._active, 'error', commit=False)
+            self._recover_torn()
+            if hasattr(exc, 'add_note'):  # Python 3.11+
+                exc.add_note(f'flashrt: the step failed half-way; the live state was put back '
+                             f'to the last committed boundary (position {self.position})')
+            raise
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -734,7 +760,9 @@ class Runtime:
                     f'episode is full: position {self.position} + {len(observations)} '
                     f'observations > max_seq_len {self.config.max_seq_len}; reset() or '
                     'restore a capsule first, or raise max_seq_len')
-            actions = self.engine.step(observations, self.position, self.generator)
+            self._extent = max(self._extent, self.position + len(observations))
+            with self._guarded_forward():
+                actions = self.engine.step(observations, self.position, self.generator)
             self.position += len(observations)
             self._commit()
             self._last_step_s = time.perf_counter() - t0

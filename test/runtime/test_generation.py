@@ -184,3 +184,40 @@ def test_stats_report_tiers_and_restore_times(make_runtime):
     assert stats['last_restore_s'] > 0 and stats['p99_restore_s'] >= stats['last_restore_s'] * 0
     assert stats['rollback_ring']['count'] >= 2 and stats['rollback_ring']['bytes_used'] > 0
     assert set(rt.components) >= {'kv', 'conv', 'recurrent', 'rng', 'meta'}
+
+
+class _Fail:
+    """A forward hook on one decoder layer that raises once armed (a mid-step failure)."""
+
+    def __init__(self, rt, layer=1):
+        self.armed = False
+        layers = rt.adapter.model.model.layers
+        self.handle = layers[layer].register_forward_hook(self)
+
+    def __call__(self, module, args, output):
+        if self.armed:
+            self.armed = False
+            raise RuntimeError('simulated out of memory')
+
+
+@pytest.mark.parametrize('where', ['prefill', 'decode'])
+def test_a_step_that_fails_half_way_puts_the_last_boundary_back(make_runtime, where):
+    """The failed turn ends 'error'; the state is the newest committed boundary, intact."""
+    rt, ref = make_runtime(), make_runtime()
+    rt.prefill(PROMPT)
+    ref.prefill(PROMPT)
+    fail = _Fail(rt)
+    gen = rt.generate(' and then', max_new_tokens=8, stop=(), eos=False)
+    if where == 'decode':
+        next(gen)
+        next(gen)  # one decode step ran; the end of the prompt is the newest boundary
+        ref.prefill(' and then')
+    fail.armed = True
+    with pytest.raises(RuntimeError, match='simulated out of memory') as info:
+        list(gen)
+    assert 'put back to the last committed boundary' in ''.join(
+        getattr(info.value, '__notes__', ['put back to the last committed boundary']))
+    assert gen.result is not None and gen.result.stop_reason == 'error'
+    assert rt.state_digest() == ref.state_digest()
+    fail.handle.remove()
+    assert greedy(rt, 6, prompt='x') == greedy(ref, 6, prompt='x')

@@ -236,6 +236,31 @@ def test_a_user_module_may_use_autograd_and_gets_plain_tensors(make_runtime):
     actions.clamp_(-1.0, 1.0)  # the caller's copy: editable in place
 
 
+class Flaky(GRUPolicy):
+    """Steps its state, then fails on request (a wrong action shape, after the write)."""
+
+    fail = False
+
+    def forward(self, observations, position, generator):
+        actions = super().forward(observations, position, generator)
+        return actions[:1] if self.fail else actions
+
+
+def test_a_policy_step_that_fails_after_writing_state_leaves_it_intact(make_runtime):
+    torch.manual_seed(0)
+    module = Flaky()
+    adapter = ModulePolicyAdapter(module, PolicySpec(3, 2, 4), max_steps=128)
+    rt = make_runtime('user:flaky', adapter=adapter)
+    rt.act([0.1, 0.2, 0.3])
+    before, position = rt.state_digest(), rt.position
+    module.fail = True
+    with pytest.raises(Exception, match='policy module returned actions of shape'):
+        rt.act([0.5, 0.5, 0.5])
+    assert rt.state_digest() == before and rt.position == position
+    module.fail = False
+    rt.act([0.3, 0.2, 0.1])  # and it keeps serving
+
+
 def test_measure_policy_returns_the_figures(tmp_path):
     from flashrt_ros.runtime.measure_policy import measure_policy
 
