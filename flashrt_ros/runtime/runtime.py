@@ -496,7 +496,7 @@ class Runtime:
             self.arena.zero_()
             self.adapter.reset_meta()
             self.generator.manual_seed(self.config.seed)
-            self.position, self._pending = 0, None
+            self.position, self._pending, self._extent = 0, None, 0
             self._commit()
 
     def close(self) -> None:
