@@ -450,13 +450,18 @@ class StateArena:
         return plan
 
     def pack(
-        self, position: int, whole: bool, out: torch.Tensor | None = None
+        self, position: int, whole: bool, alloc=None
     ) -> tuple[torch.Tensor, Packing]:
-        """Copy the state at `position` into a flat uint8 blob on the arena's device."""
+        """
+        Copy the state at `position` into a flat uint8 blob on the arena's device.
+
+        alloc(nbytes) returns the blob to fill (default: a new tensor); every byte of it is
+        written.
+        """
         packing, runs, views = self._pack_plan(position, whole)
         blob = (
-            out
-            if out is not None
+            alloc(packing.nbytes)
+            if alloc is not None
             else torch.empty(packing.nbytes, dtype=torch.uint8, device=self.device)
         )
         if whole:

@@ -44,6 +44,7 @@ import tempfile
 import threading
 import time
 from typing import Any
+import weakref
 
 import torch
 
@@ -198,9 +199,78 @@ def _checksum(blob: torch.Tensor, header_json: str) -> str:
     return h.hexdigest()
 
 
-def move_blob(blob: torch.Tensor, tier: str, device: torch.device) -> torch.Tensor:
+class BlobPool:
+    """
+    Host memory of dropped capsule blobs, handed out again to new ones (CPU runtimes).
+
+    A fresh multi-megabyte host allocation is page-faulted in on its first write: a 33 MiB
+    snapshot spent ~14 ms in faults around a 1.5 ms copy. take(nbytes) returns a uint8
+    tensor of exactly nbytes, cut from an idle buffer when one fits (at most 1/8 larger),
+    else from a new buffer with 1/16 room to grow (the next turn's capsule is a little
+    larger). When no capsule holds the tensor any more, its buffer becomes idle again; idle
+    buffers beyond `idle_limit` bytes go back to the allocator, oldest first. On CUDA the
+    caching allocators already do this, so the runtime uses a pool on CPU only.
+    """
+
+    def __init__(self, idle_limit: int):
+        self.idle_limit = idle_limit
+        self._idle: collections.deque[torch.Tensor] = collections.deque()
+        self._idle_bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """Return a uint8 tensor of exactly nbytes, in reused memory when some fits."""
+        buf = None
+        with self._lock:
+            fits = [(b.numel(), i) for i, b in enumerate(self._idle)
+                    if nbytes <= b.numel() <= nbytes + nbytes // 8]
+            if fits:
+                size, i = min(fits)
+                buf = self._idle[i]
+                del self._idle[i]
+                self._idle_bytes -= size
+                if not _unshared(buf):  # a view outlived its capsule: leave the memory to it
+                    buf = None
+        if buf is None:
+            buf = torch.empty(nbytes + nbytes // 16, dtype=torch.uint8)
+        blob = buf[:nbytes]
+        weakref.finalize(blob, self._give, buf)  # views of blob die with its owner too
+        return blob
+
+    def _give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._idle.append(buf)
+            self._idle_bytes += buf.numel()
+            while self._idle_bytes > self.idle_limit:
+                self._idle_bytes -= self._idle.popleft().numel()
+
+    @property
+    def idle_bytes(self) -> int:
+        return self._idle_bytes
+
+    def clear(self) -> None:
+        """Drop the idle buffers and keep none from now on."""
+        with self._lock:
+            self.idle_limit = 0
+            self._idle.clear()
+            self._idle_bytes = 0
+
+
+def _unshared(buf: torch.Tensor) -> bool:
+    """Whether no tensor but `buf` uses its memory (False when torch cannot tell)."""
+    use_count = getattr(torch._C, '_storage_Use_Count', None)
+    if use_count is None:
+        return False
+    storage = buf.untyped_storage()
+    return use_count(storage._cdata) <= 2  # buf and the `storage` handle itself
+
+
+def move_blob(blob: torch.Tensor, tier: str, device: torch.device,
+              alloc=None) -> torch.Tensor:
     """Copy blob into a new tensor in `tier`'s memory (never aliases the input)."""
-    if tier == 'device':
+    if alloc is not None:  # the caller's memory of the right kind
+        out = alloc(blob.numel())
+    elif tier == 'device':
         out = torch.empty_like(blob, device=device)
     else:
         # Pinned host memory makes host<->GPU copies DMA transfers; on CPU it is plain RAM.

@@ -55,7 +55,9 @@ from typing import Iterator, Sequence
 import torch
 
 from .arena import StateArena, StateSpec
-from .capsule import Capsule, CapsuleInfo, CapsuleStore, move_blob, validate_name, validate_tier
+from .capsule import (
+    BlobPool, Capsule, CapsuleInfo, CapsuleStore, move_blob, validate_name, validate_tier,
+)
 from .config import RuntimeConfig
 from .engine import Engine, PolicyEngine, StepAborted
 from .errors import (
@@ -205,6 +207,8 @@ class Runtime:
                 StateSpec('tokens', 'tokens', (config.max_seq_len,), torch.int32, seq_dim=0),
             ]
         self.arena = StateArena(specs, self.device, max_position=config.max_seq_len)
+        # Capsule blobs on a CPU runtime reuse dropped ones' memory (no page faults).
+        self._pool = BlobPool(2 * self.arena.nbytes) if self.device.type == 'cpu' else None
         self.adapter.bind(self.arena.views)
         if self.is_policy:
             self.engine = PolicyEngine(self.adapter, self.arena.views)
@@ -289,13 +293,19 @@ class Runtime:
             'rng': bytes(rng.numpy()).hex(),
         }
 
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        """Return a capsule blob of nbytes in arena memory (pooled on CPU; see BlobPool)."""
+        if self._pool is None:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._pool.take(nbytes)
+
     def _capture(
         self, name: str, tier: str, whole: bool | None = None, pinned: bool = False
     ) -> Capsule:
         """Copy the live state into a new capsule (not yet stored)."""
         if whole is None:
             whole = tier == 'device' and self.arena.choose_whole(self.position)
-        blob, packing = self.arena.pack(self.position, whole)  # a new blob on the arena's device
+        blob, packing = self.arena.pack(self.position, whole, self._alloc)  # a new blob
         if tier != 'device' and self.device.type != 'cpu':  # on a CPU runtime: host memory now
             blob = move_blob(blob, 'host', self.device)
         rng = self.generator.get_state()
@@ -508,6 +518,8 @@ class Runtime:
             self._closed = True
             self._ring.clear()
             self.store.drop_memory_tiers()
+            if self._pool is not None:
+                self._pool.clear()
             self.engine.drop_graph()
             del self.adapter, self.engine, self.arena
             if self.device.type == 'cuda':
@@ -872,7 +884,8 @@ class Runtime:
         t0 = time.perf_counter()
         cap = self.store.get(source)
         tier = validate_tier(tier or cap.tier)
-        blob = move_blob(cap.blob, 'device' if tier == 'device' else 'host', self.device)
+        blob = move_blob(cap.blob, 'device' if tier == 'device' else 'host', self.device,
+                         None if self._pool is None else self._pool.take)  # CPU: one memory
         new = cap.with_blob(target, tier, blob)
         stored = self.store.put(new)
         return stored.info(time.perf_counter() - t0)

@@ -11,6 +11,7 @@ from flashrt_ros.runtime import (
     InvalidNameError,
     InvalidRequestError,
 )
+from flashrt_ros.runtime.capsule import BlobPool
 import pytest
 import torch
 
@@ -280,3 +281,38 @@ def test_fresh_capsule_meta_equals_its_parsed_json(make_runtime, model):
     parsed = rt._check_capsule(cap)
     assert torch.equal(primed.pop('rng'), parsed.pop('rng'))
     assert primed == parsed and parsed['position'] == rt.position
+
+
+def test_blob_pool_reuses_dropped_memory_but_never_memory_still_in_use():
+    pool = BlobPool(idle_limit=1 << 20)
+    a = pool.take(1000)
+    first = a.data_ptr()
+    del a
+    b = pool.take(990)  # fits the idle buffer (at most 1/8 larger than asked)
+    assert b.data_ptr() == first and b.numel() == 990
+    view = b[10:20]
+    view.fill_(7)
+    del b
+    c = pool.take(1000)  # the buffer is idle again, but a view of it is alive
+    assert c.data_ptr() != first and int(view.sum()) == 70
+    del c
+    big = pool.take(4 << 20)
+    del big  # larger than the idle limit: not kept
+    assert pool.idle_bytes <= 1 << 20
+
+
+def test_repeated_snapshots_reuse_blob_memory_and_stay_exact(make_runtime):
+    rt = make_runtime()
+    rt.prefill(PROMPT)
+    digest = rt.state_digest()
+    ptrs = set()
+    for _ in range(6):
+        rt.snapshot('again')  # the new blob is taken before the old capsule is replaced
+        ptrs.add(rt.store.get('again').blob.data_ptr())
+    assert len(ptrs) == 2
+    greedy(rt, 4)
+    rt.restore('again')  # the rollback ring now holds this capsule: its memory stays put
+    assert rt.state_digest() == digest
+    held = rt._ring[-1].blob.data_ptr()
+    rt.snapshot('again')
+    assert rt.store.get('again').blob.data_ptr() != held
