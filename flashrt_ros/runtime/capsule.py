@@ -216,12 +216,17 @@ class BlobPool:
         self.idle_limit = idle_limit
         self._idle: collections.deque[torch.Tensor] = collections.deque()
         self._idle_bytes = 0
+        # Buffers come back from finalizers, which run wherever a capsule's last reference
+        # drops, a garbage collection inside take() included: they append here (atomic)
+        # and move on to _idle only when the lock is free.
+        self._returned: collections.deque[torch.Tensor] = collections.deque()
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> torch.Tensor:
         """Return a uint8 tensor of exactly nbytes, in reused memory when some fits."""
         buf = None
         with self._lock:
+            self._collect()
             fits = [(b.numel(), i) for i, b in enumerate(self._idle)
                     if nbytes <= b.numel() <= nbytes + nbytes // 8]
             if fits:
@@ -238,20 +243,33 @@ class BlobPool:
         return blob
 
     def _give(self, buf: torch.Tensor) -> None:
-        with self._lock:
+        self._returned.append(buf)
+        if self._lock.acquire(blocking=False):  # not if take() on this thread holds it
+            try:
+                self._collect()
+            finally:
+                self._lock.release()
+
+    def _collect(self) -> None:
+        """Move returned buffers to the idle list; drop the oldest beyond the limit (locked)."""
+        while self._returned:
+            buf = self._returned.popleft()
             self._idle.append(buf)
             self._idle_bytes += buf.numel()
-            while self._idle_bytes > self.idle_limit:
-                self._idle_bytes -= self._idle.popleft().numel()
+        while self._idle_bytes > self.idle_limit:
+            self._idle_bytes -= self._idle.popleft().numel()
 
     @property
     def idle_bytes(self) -> int:
-        return self._idle_bytes
+        with self._lock:
+            self._collect()
+            return self._idle_bytes
 
     def clear(self) -> None:
         """Drop the idle buffers and keep none from now on."""
         with self._lock:
             self.idle_limit = 0
+            self._returned.clear()
             self._idle.clear()
             self._idle_bytes = 0
 

@@ -1,6 +1,7 @@
 """Capsule store: fork, rollback, disk tier, corruption, budgets and names."""
 
 import os
+import threading
 
 from conftest import greedy, OTHER_PROMPT, PROMPT
 from flashrt_ros.runtime import (
@@ -299,6 +300,21 @@ def test_blob_pool_reuses_dropped_memory_but_never_memory_still_in_use():
     big = pool.take(4 << 20)
     del big  # larger than the idle limit: not kept
     assert pool.idle_bytes <= 1 << 20
+
+
+def test_blob_pool_finalizer_inside_take_does_not_deadlock():
+    """A garbage collection inside take() may run a blob's finalizer on the same thread."""
+    pool = BlobPool(idle_limit=1 << 20)
+
+    def gc_inside_take():
+        with pool._lock:  # as take() holds it
+            pool._give(torch.empty(10, dtype=torch.uint8))
+
+    worker = threading.Thread(target=gc_inside_take, daemon=True)
+    worker.start()
+    worker.join(5.0)
+    assert not worker.is_alive()
+    assert pool.idle_bytes == 10
 
 
 def test_repeated_snapshots_reuse_blob_memory_and_stay_exact(make_runtime):
