@@ -1003,6 +1003,8 @@ class Runtime:
             # Bytes the last restore/rollback copied: less than the capsule when the live
             # state already held its sequence rows (same lineage).
             'last_restore_copied_bytes': self._last_restore_copied,
+            # Memory of dropped capsules kept for new ones (CPU runtimes; not in the tiers).
+            'blob_pool_idle_bytes': 0 if self._pool is None else self._pool.idle_bytes,
             'p99_restore_s': p99,
             'decode_tokens_per_s': self._decode_tps,
             'cuda_graph': bool(not self._closed and self.engine.graph is not None),

@@ -326,6 +326,8 @@ def test_repeated_snapshots_reuse_blob_memory_and_stay_exact(make_runtime):
         rt.snapshot('again')  # the new blob is taken before the old capsule is replaced
         ptrs.add(rt.store.get('again').blob.data_ptr())
     assert len(ptrs) == 2
+    # the 4 dropped blobs came back to the pool; idle memory is bounded (2x the arena)
+    assert 0 < rt.stats()['blob_pool_idle_bytes'] <= 2 * rt.arena.nbytes
     greedy(rt, 4)
     rt.restore('again')  # the rollback ring now holds this capsule: its memory stays put
     assert rt.state_digest() == digest
