@@ -14,6 +14,7 @@ IMPORT_TO_KEY = {
     'yaml': 'python3-yaml',
     'torch': 'python3-torch',
     'transformers': 'python3-transformers-pip',
+    'tokenizers': 'python3-transformers-pip',  # a dependency of the transformers package
     'safetensors': 'python3-safetensors-pip',
     'matplotlib': 'python3-matplotlib',
     'pytest': 'python3-pytest',

@@ -139,7 +139,12 @@ class Generation:
         self.started = False
         self.t_start = 0.0
         self.t_first = 0.0
-        self.emitted_text = ''  # text already handed out in events
+        # Incremental detokenization: the text of token_ids[prefix:] minus that of
+        # token_ids[prefix:read] is what the newest tokens add (decoding a short window per
+        # step, not the whole turn; the window's first tokens give merges their context).
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.tail = ''  # the end of the text handed out so far, for stop strings
 
     def __iter__(self) -> Iterator[TokenEvent]:
         return self
@@ -699,21 +704,30 @@ class Runtime:
             self._finish(gen, 'eos')
             raise StopIteration
         gen.token_ids.append(token)
-        full = self.tokenizer.decode(gen.token_ids)
-        reason = (
-            'stop_string'
-            if any(x in full for x in s.stop)
-            else 'max_tokens' if len(gen.token_ids) >= s.max_new_tokens else None
-        )
-        # Hold back a trailing U+FFFD while more tokens may follow: it can be a multi-byte
-        # character cut in the middle. The last event flushes everything.
-        stable = full if reason else full.rstrip('\ufffd')
-        piece = stable[len(gen.emitted_text):] if stable.startswith(gen.emitted_text) else ''
-        if piece:
-            gen.emitted_text = stable
+        last = len(gen.token_ids) >= s.max_new_tokens
+        piece = self._new_text(gen)
+        if piece.endswith('\ufffd') and not last:
+            # Hold it back while more tokens may follow: it can be a multi-byte character
+            # cut in the middle. The last event flushes everything.
+            piece = ''
+        elif piece:
+            gen.prefix_offset, gen.read_offset = gen.read_offset, len(gen.token_ids)
+        reason = 'max_tokens' if last else None
+        if piece and s.stop:
+            seen = gen.tail + piece
+            if any(x in seen for x in s.stop):
+                reason = 'stop_string'
+            gen.tail = seen[-max(len(x) for x in s.stop):]
         if reason:
             self._finish(gen, reason)
         return TokenEvent(len(gen.token_ids) - 1, token, piece)
+
+    def _new_text(self, gen: Generation) -> str:
+        """Return the text the tokens past gen.read_offset add (see Generation)."""
+        ids = gen.token_ids
+        done = self.tokenizer.decode(ids[gen.prefix_offset:gen.read_offset])
+        text = self.tokenizer.decode(ids[gen.prefix_offset:])
+        return text[len(done):] if len(text) > len(done) else ''
 
     def _release(self, gen: Generation) -> None:
         if self._active is gen:

@@ -221,3 +221,43 @@ def test_a_step_that_fails_half_way_puts_the_last_boundary_back(make_runtime, wh
     assert rt.state_digest() == ref.state_digest()
     fail.handle.remove()
     assert greedy(rt, 6, prompt='x') == greedy(ref, 6, prompt='x')
+
+
+def _bpe_checkpoint(tmp_path):
+    """tiny-hybrid saved with a real (byte-level BPE) transformers tokenizer instead."""
+    from flashrt_ros.runtime.models.hf import save_builtin
+    from flashrt_ros.runtime.tokenizer import MARKER_FILE
+    from tokenizers import decoders, models, pre_tokenizers, Tokenizer, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [PROMPT + ' ünïcode ✓ 机器人 ' + str(i) for i in range(50)]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=259, special_tokens=['<eos>'],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    path = save_builtin('builtin:tiny-hybrid', tmp_path / 'bpe')
+    (path / MARKER_FILE).unlink()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token='<eos>').save_pretrained(path)
+    return path
+
+
+def test_streamed_text_is_decoded_incrementally_and_adds_up(make_runtime, tmp_path):
+    rt = make_runtime(str(_bpe_checkpoint(tmp_path)), max_seq_len=512)
+    seen = []
+    decode = rt.tokenizer.decode
+    rt.tokenizer.decode = lambda ids: seen.append(len(ids)) or decode(ids)
+    gen = rt.generate(PROMPT, max_new_tokens=200, stop=(), eos=False)
+    pieces = [event.text for event in gen]
+    rt.tokenizer.decode = decode
+    assert len(pieces) == 200
+    assert ''.join(pieces) == gen.result.text == decode(gen.result.token_ids)
+    # Each step decodes a window of the newest tokens, not the whole turn (once at its end).
+    assert sorted(seen)[-2] < 20 and seen[-1] == 200
+    stop = gen.result.text[150:153]
+    rt.reset()
+    gen = rt.generate(PROMPT, max_new_tokens=200, stop=(stop,), eos=False)
+    pieces = [event.text for event in gen]
+    assert gen.result.stop_reason == 'stop_string' and stop in ''.join(pieces)
+    assert gen.result.text == ''.join(pieces)[:''.join(pieces).find(stop)]
