@@ -1101,7 +1101,22 @@ class FlashRTNode(LifecycleNode):
                     gen.close()  # an interrupt or cancel: stop at this step boundary
         except Exception as exc:
             gen.close()
-            raise exc
+            if gen.result is None:
+                raise  # not the model: the generation loop reports it as a bug
+            # The model step failed (out of memory, a NaN, ...): the runtime ended the turn
+            # and put the state back; say so, and close the stream like any other turn.
+            self._publish_chunk(turn, turn_id, first, ids, ''.join(pieces), True,
+                                gen.result.stop_reason)
+            where = ('the state is back at the last committed boundary'
+                     if gen.result.stop_reason == 'error'
+                     else 'a waiting restore/rollback replaced the state')
+            turn.result = Generate.Result(
+                success=False, stop_reason=gen.result.stop_reason,
+                message=f'the model step failed: {exc!r}; {where} (position '
+                        f'{self._position()})',
+                text=gen.result.text, token_ids=list(gen.result.token_ids),
+                position=self._position())
+            return
         res = gen.result
         self._publish_chunk(turn, turn_id, first, ids, ''.join(pieces), True, res.stop_reason)
         success, message = True, f'{len(res.token_ids)} tokens, stop reason {res.stop_reason}'

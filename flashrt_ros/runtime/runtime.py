@@ -427,14 +427,19 @@ class Runtime:
             )
         return ids
 
-    def _prefill_ids(self, ids: list[int]) -> None:
-        if self._pending is not None:
-            ids = [self._pending] + ids  # the token sampled last turn has not been consumed yet
-        if self.position + len(ids) > self.config.max_seq_len:
+    def _check_fits(self, n: int) -> None:
+        """Raise unless a prompt of n tokens (plus a pending token) fits the arena."""
+        n += self._pending is not None  # the token sampled last turn is fed first
+        if self.position + n > self.config.max_seq_len:
             raise InvalidRequestError(
-                f'prompt of {len(ids)} tokens does not fit: position {self.position}, '
+                f'prompt of {n} tokens does not fit: position {self.position}, '
                 f'max_seq_len {self.config.max_seq_len}; reset() or raise max_seq_len'
             )
+
+    def _prefill_ids(self, ids: list[int]) -> None:
+        self._check_fits(len(ids))
+        if self._pending is not None:
+            ids = [self._pending] + ids  # the token sampled last turn has not been consumed yet
         self._extent = max(self._extent, self.position + len(ids))
         with self._guarded_forward():
             self.engine.prefill(ids, self.position)
@@ -468,12 +473,20 @@ class Runtime:
         except StepAborted:
             raise
         except BaseException as exc:
-            if self._active is not None:
-                self._finish(self._active, 'error', commit=False)
-            self._recover_torn()
+            if self._active is not None and self._preempt is not None:
+                # A restore/rollback waits for this step: it replaces the state as it would
+                # have replaced an abandoned one (rollback(1) lands on the prompt's end).
+                self._serve_preemption(self._active, torn=True)
+                where = 'the waiting preemption replaced the state'
+            else:
+                if self._active is not None:
+                    self._finish(self._active, 'error', commit=False)
+                self._recover_torn()
+                where = (f'the state was put back to the last committed boundary (position '
+                         f'{self.position})' if self.config.rollback_depth > 0
+                         else 'the state was reset (rollback_depth is 0)')
             if hasattr(exc, 'add_note'):  # Python 3.11+
-                exc.add_note(f'flashrt: the step failed half-way; the live state was put back '
-                             f'to the last committed boundary (position {self.position})')
+                exc.add_note(f'flashrt: the step failed half-way; {where}')
             raise
 
     # ---- lifecycle --------------------------------------------------------------------
@@ -673,6 +686,12 @@ class Runtime:
         s = gen.sampling
         if not gen.started:
             gen.started, gen.t_start = True, time.perf_counter()
+            if gen.prompt_ids is not None:
+                try:
+                    self._check_fits(len(gen.prompt_ids))  # before anything changes
+                except FlashRTError:
+                    self._release(gen)
+                    raise
             if s.seed is not None:
                 self.generator.manual_seed(s.seed)
             if gen.prompt_ids is not None:
@@ -695,7 +714,8 @@ class Runtime:
             with self._abortable_forward():
                 self._feed(self._pending)
             self._pending = None
-        token = self.engine.sample(s.temperature, s.top_k, s.top_p, self.generator)
+        with self._guarded_forward():  # e.g. NaN logits make sampling raise
+            token = self.engine.sample(s.temperature, s.top_k, s.top_p, self.generator)
         self._pending = token
         now = time.perf_counter()
         if not gen.token_ids:
@@ -787,8 +807,14 @@ class Runtime:
                     f'observations > max_seq_len {self.config.max_seq_len}; reset() or '
                     'restore a capsule first, or raise max_seq_len')
             self._extent = max(self._extent, self.position + len(observations))
-            with self._guarded_forward():
-                actions = self.engine.step(observations, self.position, self.generator)
+            left = int(self.engine.left)  # next_action/drop_actions change it, uncommitted
+            try:
+                with self._guarded_forward():
+                    actions = self.engine.step(observations, self.position, self.generator)
+            except BaseException:
+                if self.config.rollback_depth > 0:  # (else the state was reset)
+                    self.engine.left.fill_(left)  # the queue as it was before the call
+                raise
             self.position += len(observations)
             self._commit()
             self._last_step_s = time.perf_counter() - t0

@@ -223,6 +223,66 @@ def test_a_step_that_fails_half_way_puts_the_last_boundary_back(make_runtime, wh
     assert greedy(rt, 6, prompt='x') == greedy(ref, 6, prompt='x')
 
 
+def test_a_failing_step_serves_a_waiting_rollback_as_if_the_step_was_abandoned(make_runtime):
+    """rollback(1, preempt=True) lands on the prompt's end whether the step aborts or fails."""
+    rt = make_runtime()
+    rt.prefill(PROMPT)
+    gen = rt.generate(' and then', max_new_tokens=50, stop=(), eos=False)
+    next(gen)
+    prompt_end = rt._ring[-1].position
+    next(gen)
+    layer = rt.adapter.model.model.layers[1]
+
+    entered = threading.Event()
+
+    def fail_once_a_preemption_waits(module, args, output):
+        handle.remove()
+        entered.set()
+        deadline = time.monotonic() + 10
+        while rt._preempt is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        raise RuntimeError('simulated out of memory')
+
+    handle = layer.register_forward_hook(fail_once_a_preemption_waits)
+    errors = []
+
+    def consume():
+        try:
+            list(gen)
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=consume)
+    worker.start()
+    assert entered.wait(10)  # the step is inside the model (past any abort point so far)
+    info = rt.rollback(1, preempt=True)
+    worker.join(10)
+    assert info.position == prompt_end == rt.position
+    assert errors and gen.result.stop_reason == 'interrupted'
+
+
+def test_a_refused_prompt_leaves_even_the_sampler_alone(make_runtime):
+    rt = make_runtime(max_seq_len=64)
+    rt.prefill(PROMPT)
+    before = rt.state_digest()
+    with pytest.raises(InvalidRequestError, match='does not fit'):
+        list(rt.generate('x' * 60, seed=7))
+    assert rt.state_digest() == before
+
+
+def test_sampling_that_fails_ends_the_turn_and_frees_the_runtime(make_runtime):
+    rt = make_runtime()
+    rt.prefill(PROMPT)
+    head = rt.adapter.model.get_output_embeddings()
+    handle = head.register_forward_hook(lambda m, a, out: out * float('nan'))
+    gen = rt.generate(' and', max_new_tokens=4, temperature=1.0, stop=(), eos=False)
+    with pytest.raises(RuntimeError):
+        list(gen)
+    handle.remove()
+    assert gen.result.stop_reason == 'error'
+    assert len(greedy(rt, 3, prompt=' again')) == 3  # not busy, and it decodes again
+
+
 def _bpe_checkpoint(tmp_path):
     """tiny-hybrid saved with a real (byte-level BPE) transformers tokenizer instead."""
     from flashrt_ros.runtime.models.hf import save_builtin

@@ -252,11 +252,13 @@ def test_a_policy_step_that_fails_after_writing_state_leaves_it_intact(make_runt
     adapter = ModulePolicyAdapter(module, PolicySpec(3, 2, 4), max_steps=128)
     rt = make_runtime('user:flaky', adapter=adapter)
     rt.act([0.1, 0.2, 0.3])
+    rt.next_action()  # executed actions are not a commit: they must not come back
     before, position = rt.state_digest(), rt.position
     module.fail = True
     with pytest.raises(Exception, match='policy module returned actions of shape'):
         rt.act([0.5, 0.5, 0.5])
     assert rt.state_digest() == before and rt.position == position
+    assert len(rt.pending_actions()) == 3
     module.fail = False
     rt.act([0.3, 0.2, 0.1])  # and it keeps serving
 
