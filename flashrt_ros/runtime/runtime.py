@@ -1043,7 +1043,9 @@ class Runtime:
             # Bytes the last restore/rollback copied: less than the capsule when the live
             # state already held its sequence rows (same lineage).
             'last_restore_copied_bytes': self._last_restore_copied,
-            # Memory of dropped capsules kept for new ones (CPU runtimes; not in the tiers).
+            # Memory of dropped capsules kept for new ones (CPU runtimes). Not in the tier
+            # accounting, which counts capsule bytes (a pooled blob's buffer may be up to 1/8
+            # larger than the capsule).
             'blob_pool_idle_bytes': 0 if self._pool is None else self._pool.idle_bytes,
             'p99_restore_s': p99,
             'decode_tokens_per_s': self._decode_tps,
