@@ -139,6 +139,11 @@ class CacheBinding:
             if type(layer) is cu.StaticLayer:  # plain full attention (not sliding, not hybrid)
                 layer.__class__ = _windowed_layer_class()
                 self.windowed.append(layer)
+        # The layers with state outside tensors, by index (restores touch only these).
+        self._linear = [(str(i), layer) for i, layer in enumerate(self.cache.layers)
+                        if isinstance(layer, cu.LinearAttentionLayer)]
+        self._sliding = [(str(i), layer) for i, layer in enumerate(self.cache.layers)
+                         if isinstance(layer, cu.StaticSlidingWindowLayer)]
         self.specs = self._probe_specs(config, probe)
 
     # ---- discovery -------------------------------------------------------------------
@@ -225,53 +230,43 @@ class CacheBinding:
     # ---- non-tensor state ------------------------------------------------------------
 
     def export_meta(self) -> dict[str, Any]:
-        cu = _cache_classes()
-        layers = {}
-        for i, layer in enumerate(self.cache.layers):
-            d = {}
-            if isinstance(layer, cu.LinearAttentionLayer):
-                d['has_previous_state'] = [
-                    bool(layer.has_previous_state[s]) for s in range(layer.number_of_states)
-                ]
-            if isinstance(layer, cu.StaticSlidingWindowLayer):
-                d['cumulative_length_int'] = int(layer.cumulative_length_int)
-            if d:
-                layers[str(i)] = d
+        layers: dict[str, dict] = {}
+        for key, layer in self._linear:
+            layers[key] = {'has_previous_state': [
+                bool(layer.has_previous_state[s]) for s in range(layer.number_of_states)]}
+        for key, layer in self._sliding:
+            layers.setdefault(key, {})['cumulative_length_int'] = int(
+                layer.cumulative_length_int)
         return {'layers': layers}
 
     def import_meta(self, meta: dict[str, Any]) -> None:
+        layers = self.cache.layers
         for key, d in meta.get('layers', {}).items():
-            layer = self.cache.layers[int(key)]
-            for s, flag in enumerate(d.get('has_previous_state', ())):
-                layer.has_previous_state[s] = bool(flag)
+            layer = layers[int(key)]
+            flags = d.get('has_previous_state')
+            if flags:
+                target = layer.has_previous_state
+                for s, flag in enumerate(flags):
+                    target[s] = bool(flag)
             if 'cumulative_length_int' in d:
                 layer.cumulative_length_int = int(d['cumulative_length_int'])
 
     def _set_previous_state(self, flag: bool) -> None:
         """Mark every linear-attention state as (not) holding a previous step."""
-        cu = _cache_classes()
-        for layer in self.cache.layers:
-            if isinstance(layer, cu.LinearAttentionLayer):
-                for s in range(layer.number_of_states):
-                    layer.has_previous_state[s] = flag
+        for _, layer in self._linear:
+            for s in range(layer.number_of_states):
+                layer.has_previous_state[s] = flag
 
     def reset_meta(self) -> None:
         self._set_previous_state(False)
-        cu = _cache_classes()
-        for layer in self.cache.layers:
-            if isinstance(layer, cu.StaticSlidingWindowLayer):
-                layer.cumulative_length_int = 0
+        for _, layer in self._sliding:
+            layer.cumulative_length_int = 0
 
     def prepare_capture(self) -> None:
         self._set_previous_state(True)
 
     def decode_ready(self) -> bool:
-        cu = _cache_classes()
-        return all(
-            all(layer.has_previous_state.values())
-            for layer in self.cache.layers
-            if isinstance(layer, cu.LinearAttentionLayer)
-        )
+        return all(all(layer.has_previous_state.values()) for _, layer in self._linear)
 
 
 def module_fingerprint(identity: dict[str, Any], module: torch.nn.Module,
