@@ -58,12 +58,18 @@ def test_sibling_branch_and_reset_copy_everything(make_runtime):
     assert rt.stats()['last_restore_copied_bytes'] == b.nbytes
 
 
-@pytest.mark.parametrize('seed', [0, 1, 2])
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
+
+
+@pytest.mark.parametrize('seed,device', [(0, 'cpu'), (1, 'cpu'), (2, 'cpu'),
+                                         pytest.param(3, 'cuda', marks=CUDA)])
 def test_random_operations_match_a_runtime_that_always_copies_everything(
-        make_runtime, tmp_path, seed):
+        make_runtime, tmp_path, seed, device):
     """Prefill, generate, snapshot (every tier), restore (full and kv_only), fork, rollback."""
-    fast = make_runtime(max_seq_len=160, rollback_depth=3, capsule_dir=str(tmp_path / 'a'))
-    slow = _full_copy_only(make_runtime(max_seq_len=160, rollback_depth=3,
+    # On CUDA small device capsules are whole-arena copies; host capsules still skip rows.
+    fast = make_runtime(max_seq_len=160, rollback_depth=3, capsule_dir=str(tmp_path / 'a'),
+                        device=device)
+    slow = _full_copy_only(make_runtime(max_seq_len=160, rollback_depth=3, device=device,
                                         capsule_dir=str(tmp_path / 'b')))
     rng = random.Random(seed)
     names, skipped = [], 0
@@ -112,7 +118,9 @@ def test_random_operations_match_a_runtime_that_always_copies_everything(
                                               < slow.stats()['last_restore_copied_bytes']):
             skipped += 1
         assert fast.state_digest() == slow.state_digest(), f'step {step}: {op} {args}'
-    assert skipped > 0  # the sequence exercised restores that skipped rows
+    # The sequence exercised restores that skipped rows (on CUDA maybe not: there only host
+    # capsules of this small model are packed; the digests are the check that matters).
+    assert skipped > 0 or device == 'cuda'
     assert greedy(fast, 8) == greedy(slow, 8)
 
 
