@@ -209,7 +209,9 @@ class BlobPool:
     else from a new buffer with 1/16 room to grow (the next turn's capsule is a little
     larger). When no capsule holds the tensor any more, its buffer becomes idle again; idle
     buffers beyond `idle_limit` bytes go back to the allocator, oldest first. On CUDA the
-    caching allocators already do this, so the runtime uses a pool on CPU only.
+    caching allocators already do this, so the runtime uses a pool on CPU only. A buffer is
+    reused only when no other tensor shares its memory; a caller that keeps a capsule blob's
+    UntypedStorage handle (and no tensor) is not seen by that check, so nothing may.
     """
 
     def __init__(self, idle_limit: int):
