@@ -427,19 +427,14 @@ class Runtime:
             )
         return ids
 
-    def _check_fits(self, n: int) -> None:
-        """Raise unless a prompt of n tokens (plus a pending token) fits the arena."""
-        n += self._pending is not None  # the token sampled last turn is fed first
-        if self.position + n > self.config.max_seq_len:
-            raise InvalidRequestError(
-                f'prompt of {n} tokens does not fit: position {self.position}, '
-                f'max_seq_len {self.config.max_seq_len}; reset() or raise max_seq_len'
-            )
-
     def _prefill_ids(self, ids: list[int]) -> None:
-        self._check_fits(len(ids))
         if self._pending is not None:
             ids = [self._pending] + ids  # the token sampled last turn has not been consumed yet
+        if self.position + len(ids) > self.config.max_seq_len:
+            raise InvalidRequestError(
+                f'prompt of {len(ids)} tokens does not fit: position {self.position}, '
+                f'max_seq_len {self.config.max_seq_len}; reset() or raise max_seq_len'
+            )
         self._extent = max(self._extent, self.position + len(ids))
         with self._guarded_forward():
             self.engine.prefill(ids, self.position)
@@ -688,19 +683,15 @@ class Runtime:
             gen.started, gen.t_start = True, time.perf_counter()
             if gen.prompt_ids is not None:
                 try:
-                    self._check_fits(len(gen.prompt_ids))  # before anything changes
-                except FlashRTError:
-                    self._release(gen)
-                    raise
-            if s.seed is not None:
-                self.generator.manual_seed(s.seed)
-            if gen.prompt_ids is not None:
-                try:
                     with self._abortable_forward():
                         self._prefill_ids(gen.prompt_ids)
                 except FlashRTError:
                     self._release(gen)
                     raise
+            # Seeded after the prompt, which samples nothing: a refused one changes nothing.
+            if s.seed is not None:
+                self.generator.manual_seed(s.seed)
+            if gen.prompt_ids is not None:
                 self._commit()  # end of prefill is a committed boundary
         if self._interrupt.is_set():
             self._finish(gen, 'interrupted')
