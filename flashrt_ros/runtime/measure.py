@@ -109,26 +109,22 @@ def dynamic_cache_decode_tps(model, ids: list[int], steps: int, device: torch.de
     Under no_grad, as transformers' generate() runs it; inference_mode=True runs the loop
     under torch.inference_mode as the engine does, which isolates what the binding costs.
     """
-    with torch.inference_mode(inference_mode):
-        return _dynamic_cache_loop(model, ids, steps, device)
-
-
-def _dynamic_cache_loop(model, ids: list[int], steps: int, device: torch.device) -> float:
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
-    x = torch.tensor([ids], device=device)  # [1, T]
-    tok = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1).logits[
-        :, -1
-    ].argmax(-1, keepdim=True)  # [1, 1]
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        logits = model(input_ids=tok, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        tok = logits.argmax(-1, keepdim=True)  # [1, 1]
-        int(tok)  # the runtime also brings every token to the host (streaming)
-    _sync(device)
-    return steps / (time.perf_counter() - t0)
+    with torch.inference_mode(inference_mode):
+        cache = DynamicCache(config=model.config)
+        x = torch.tensor([ids], device=device)  # [1, T]
+        tok = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1).logits[
+            :, -1
+        ].argmax(-1, keepdim=True)  # [1, 1]
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = model(input_ids=tok, cache=cache, use_cache=True, logits_to_keep=1)
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
+            int(tok)  # the runtime also brings every token to the host (streaming)
+        _sync(device)
+        return steps / (time.perf_counter() - t0)
 
 
 @torch.no_grad()
