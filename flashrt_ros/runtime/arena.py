@@ -284,6 +284,7 @@ class StateArena:
         }
         self._by_name = {e.name: e for e in self.manifest}
         self._index = {e.name: i for i, e in enumerate(self.manifest)}
+        self._seq_kinds = {e.kind for e in self.manifest if e.seq_dim is not None}
         self._pack_plans: dict[tuple[int, bool], tuple] = {}
         self._restore_plans: dict[tuple, tuple] = {}
         self.epoch = next(_EPOCHS)  # changes whenever a row before the live position is rewritten
@@ -526,8 +527,7 @@ class StateArena:
             arena.copy_(words)  # one copy; the tail comes back as it was
             self.begin_epoch(*lineage)
             return self.nbytes
-        if kinds is not None and any(e.seq_dim is not None and e.kind not in kinds
-                                     for e in self.manifest):
+        if kinds is not None and not self._seq_kinds <= kinds:
             lineage = (None, 0)  # some sequence rows stay the live state's, not the capsule's
         dsts, srcs, partial, nbytes = (
             pairs if pairs is not None else self.copy_pairs(blob, packing, kinds))
