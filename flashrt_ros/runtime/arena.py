@@ -2,15 +2,22 @@
 StateArena: the one owner of every state buffer of the model.
 
 All state tensors (attention K/V, conv state, recurrent/SSM state, position counters, the
-last logits, ...) are typed views into ONE contiguous, aligned uint8 allocation per
-device. The arena is allocated once and only ever written in place, so:
+last logits, the token history, ...) are typed views into ONE contiguous, aligned uint8
+allocation per device. The arena is allocated once and only ever written in place, so:
   * addresses never move (a captured CUDA graph stays valid across restores);
   * a snapshot is a copy of arena bytes, a restore is a copy back (no re-binding);
-  * the manifest (name, kind, dtype, shape, byte offset) fully describes the layout and
-    its hash is the layout fingerprint a capsule must match.
+  * the manifest (name, kind, dtype, shape, byte offset, strides) fully describes the
+    layout and its hash is the layout fingerprint a capsule must match.
 
-Invariants kept by everyone that writes the arena, along a tensor's sequence axis
-(`seq_dim`, the KV time axis):
+Layout: a *head* of every tensor without a sequence axis (each at an aligned offset), then
+a *row block* that holds the tensors with a sequence axis position-major: row t holds step
+t of every such tensor (each in its own aligned slot of the row). So the state at any
+position is a prefix of the arena — the head and the first `position` rows — and a
+snapshot, a restore or a host transfer is ONE contiguous copy of exactly the bytes in use,
+whatever the number of layers. The sequence tensors are strided views (their step axis
+strides over whole rows); attention reads them as it reads any sliced cache.
+
+Invariants kept by everyone that writes the arena, along the row block:
   * every row at index >= the live position is zero. That is what lets a snapshot copy
     only the used prefix and a restore still reproduce the full arena byte for byte (it
     copies the prefix back and zeroes the rows the newer state used);
@@ -18,8 +25,10 @@ Invariants kept by everyone that writes the arena, along a tensor's sequence axi
     one. Only a restore or a reset rewrites old rows, and each starts a new *epoch*. So two
     states of one epoch agree on every row both have, and a restore can skip the rows the
     live state provably shares with the capsule (see rows_shared): the interrupt path,
-    back to a checkpoint taken moments ago, then copies the recurrent and conv state and
-    zeroes the few rows written since, whatever the length of the context.
+    back to a checkpoint taken moments ago, then copies the head (recurrent and conv
+    state) and zeroes the few rows written since, whatever the length of the context.
+A sequence tensor shorter than the row block (a rolling window of recent steps, whose old
+rows are rewritten) lives in the head and is always copied whole.
 """
 
 from __future__ import annotations
@@ -33,7 +42,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-ALIGN = 256  # bytes; keeps every view aligned for any dtype and for vectorized copies
+ALIGN = 256  # bytes; keeps every head view aligned for any dtype and for vectorized copies
+SLOT_ALIGN = 16  # bytes; each tensor's slot inside a row (vector loads, every dtype)
 LINEAGE_LINKS = 256  # epochs whose parent link is remembered (older ones: copy everything)
 LINEAGE_WALK = 32  # parent links followed before a restore gives up and copies everything
 _EPOCHS = itertools.count(1)  # process-wide, so epochs of different arenas never collide
@@ -65,6 +75,13 @@ def _align(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
 
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for s in shape:
+        count *= s
+    return count
+
+
 @dataclass(frozen=True)
 class StateSpec:
     """What a model adapter asks the arena for: one named state tensor."""
@@ -86,19 +103,14 @@ class ManifestEntry:
     kind: str
     dtype: str
     shape: tuple[int, ...]
-    offset: int
-    nbytes: int
+    offset: int  # bytes from the arena's start to the tensor's first element
+    nbytes: int  # bytes of its elements
     seq_dim: int | None = None
+    strides: tuple[int, ...] | None = None  # in elements; None: contiguous (a head tensor)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return dtype_from_name(self.dtype)
-
-    def row_nbytes(self) -> int:
-        """Bytes of one step along seq_dim (the whole tensor when it has no seq axis)."""
-        if self.seq_dim is None:
-            return self.nbytes
-        return self.nbytes // self.shape[self.seq_dim]
 
     def to_json(self) -> dict:
         return {
@@ -109,6 +121,7 @@ class ManifestEntry:
             'offset': self.offset,
             'nbytes': self.nbytes,
             'seq_dim': self.seq_dim,
+            'strides': None if self.strides is None else list(self.strides),
         }
 
     @classmethod
@@ -121,119 +134,49 @@ class ManifestEntry:
             int(d['offset']),
             int(d['nbytes']),
             d['seq_dim'],
+            None if d['strides'] is None else tuple(d['strides']),
         )
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One state tensor inside a snapshot blob: `rows` leading positions (None = all of it)."""
-
-    name: str
-    rows: int | None
-    offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class _Run:
-    """
-    One strided byte copy between the arena and a blob, covering one or more state tensors.
-
-    In the arena the run is `count` tensors `stride` bytes apart, each `outer` pieces of
-    `rows * row` bytes that are `seq_len * row` bytes apart (rows=None: one flat range of
-    `row` bytes). In the blob the same bytes lie dense from `blob_offset`.
-    """
-
-    arena_offset: int
-    blob_offset: int
-    count: int
-    stride: int
-    outer: int
-    seq_len: int
-    row: int
-    rows: int | None
-    last: int  # manifest index of the run's last tensor (runs only grow over neighbours)
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        run = self.row if self.rows is None else self.rows * self.row
-        return (self.count, self.outer, run)
-
-    @property
-    def nbytes(self) -> int:
-        count, outer, run = self.shape
-        return count * outer * run
-
-    def word(self, blob_start: int = 0) -> torch.dtype:
-        """
-        Pick the widest integer type every offset and length of the run divides into.
-
-        Copying int64 words instead of bytes makes 8x fewer elements: a state of up to
-        256 KiB then stays under ATen's parallel grain and is copied by the calling thread
-        alone. Waking an OpenMP team from a thread that rarely runs torch (a ROS executor
-        thread serving ~/restore) costs more than such a copy.
-        """
-        bits = self.arena_offset | self.blob_offset | self.row | blob_start
-        if self.count > 1:
-            bits |= self.stride
-        return next(dtype for size, dtype in _WORDS if bits % size == 0)
-
-    def arena_view(self, words: dict, rows: tuple[int, int] | None = None,
-                   dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Return the run's part of the arena (`words`: the storage viewed per word type)."""
-        dtype = dtype or self.word()
-        storage, w = words[dtype], words[dtype].element_size()
-        if self.rows is None:
-            return storage[self.arena_offset // w:(self.arena_offset + self.row) // w].view(
-                1, 1, -1)
-        start, stop = rows if rows is not None else (0, self.rows)
-        return storage.as_strided((self.count, self.outer, (stop - start) * self.row // w),
-                                  (self.stride // w, self.seq_len * self.row // w, 1),
-                                  (self.arena_offset + start * self.row) // w)
-
-    def blob_view(self, blob: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        piece = blob[self.blob_offset:self.blob_offset + self.nbytes].view(dtype or self.word())
-        return piece.view(self.count, self.outer, -1)
-
-
-_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
 @dataclass(frozen=True)
 class Packing:
     """
-    How a snapshot blob maps back onto the arena.
+    How a snapshot blob maps onto the arena: it is the arena's first `nbytes` bytes.
 
-    whole=True means the blob is a byte copy of the entire arena (one copy each way);
-    otherwise it holds only the segments, each aligned, used KV prefixes only.
+    Those are the head (every tensor without a sequence axis) and the first `rows` rows of
+    the row block; every later row of the state it was taken from was zero.
     """
 
-    whole: bool
-    segments: tuple[Segment, ...]
+    rows: int
     nbytes: int
 
     def to_json(self) -> dict:
-        return {
-            'whole': self.whole,
-            'nbytes': self.nbytes,
-            'segments': [[s.name, s.rows, s.offset, s.nbytes] for s in self.segments],
-        }
+        return {'rows': self.rows, 'nbytes': self.nbytes}
 
     @classmethod
     def from_json(cls, d: dict) -> 'Packing':
-        segs = tuple(Segment(n, r, int(o), int(b)) for n, r, o, b in d['segments'])
-        return cls(bool(d['whole']), segs, int(d['nbytes']))
+        return cls(int(d['rows']), int(d['nbytes']))
 
 
 def typed_view(
     buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: Sequence[int]
 ) -> torch.Tensor:
     """View buf[offset:] (a flat uint8 tensor) as dtype/shape; shares memory."""
-    count = 1
-    for s in shape:
-        count *= s
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
     return buf[offset:offset + nbytes].view(dtype).view(tuple(shape))
+
+
+def _words(buf: torch.Tensor) -> torch.Tensor:
+    """
+    View a flat uint8 buffer as int64 words when its start and length allow (else as is).
+
+    Copying 8x fewer elements keeps a state of up to 256 KiB under ATen's parallel grain,
+    so the calling thread copies it alone: waking an OpenMP team from a thread that rarely
+    runs torch (a ROS executor thread serving ~/restore) costs more than such a copy.
+    """
+    if buf.storage_offset() % 8 == 0 and buf.numel() % 8 == 0:
+        return buf.view(torch.int64)
+    return buf
 
 
 class StateArena:
@@ -244,57 +187,78 @@ class StateArena:
         """
         Lay out `specs` in one zeroed allocation on `device`.
 
-        max_position: the longest sequence the runtime runs. Sequence tensors at least that
-        long are append-only over a whole sequence, so a restore may skip the rows the live
-        state shares with the capsule; a shorter one (a rolling window of recent steps) is
-        always copied. None: every one is always copied.
+        max_position: the longest sequence the runtime runs, the row block's length. Sequence
+        tensors of exactly that length go in the row block; a shorter or longer one (e.g. a
+        rolling window) lives in the head. None: the longest sequence axis among `specs`.
         """
         self.device = torch.device(device)
         self.align = align
-        self.max_position = max_position
-        # Order: every tensor without a sequence axis first (one dense region a snapshot copies
-        # as one range), then the KV tensors grouped by layout (equal dtype and shape), so a
-        # snapshot or restore is a few strided copies whatever the number of layers.
-        groups: dict[tuple, int] = {}
         specs = list(specs)
-        keys = [0 if s.seq_dim is None
-                else 1 + groups.setdefault((s.dtype, tuple(s.shape), s.seq_dim), len(groups))
-                for s in specs]
-        specs = [s for _, _, s in sorted(zip(keys, range(len(specs)), specs))]
-        entries, offset = [], 0
         names = set()
         for spec in specs:
             if spec.name in names:
                 raise ValueError(f'duplicate state name {spec.name!r}')
             names.add(spec.name)
-            count = 1
-            for s in spec.shape:
-                count *= s
-            nbytes = count * torch.empty((), dtype=spec.dtype).element_size()
-            entries.append(ManifestEntry(spec.name, spec.kind, dtype_name(spec.dtype),
-                                         tuple(spec.shape), offset, nbytes, spec.seq_dim))
-            offset = _align(offset + nbytes, align)
-        self.manifest: tuple[ManifestEntry, ...] = tuple(entries)
-        self.nbytes = max(offset, align)
+        seq_lens = [s.shape[s.seq_dim] for s in specs if s.seq_dim is not None]
+        self.rows = max_position if max_position is not None else max(seq_lens, default=0)
+
+        def in_rows(s: StateSpec) -> bool:
+            return s.seq_dim is not None and s.shape[s.seq_dim] == self.rows > 0
+
+        entries, offset = {}, 0
+        for s in specs:
+            if not in_rows(s):
+                nbytes = _numel(s.shape) * torch.empty((), dtype=s.dtype).element_size()
+                entries[s.name] = ManifestEntry(s.name, s.kind, dtype_name(s.dtype),
+                                                tuple(s.shape), offset, nbytes, s.seq_dim)
+                offset = _align(offset + nbytes, align)
+        self.head_nbytes = offset
+        slots, row = [], 0
+        for s in specs:
+            if in_rows(s):
+                slots.append((s, row))
+                step = _numel(s.shape) // self.rows * torch.empty((), dtype=s.dtype).element_size()
+                row = _align(row + step, SLOT_ALIGN)
+        self.row_nbytes = row
+        for s, slot in slots:
+            size = torch.empty((), dtype=s.dtype).element_size()
+            inner = list(s.shape[:s.seq_dim]) + list(s.shape[s.seq_dim + 1:])
+            strides = [_numel(inner[i + 1:]) for i in range(len(inner))]
+            strides.insert(s.seq_dim, row // size)
+            entries[s.name] = ManifestEntry(
+                s.name, s.kind, dtype_name(s.dtype), tuple(s.shape), offset + slot,
+                _numel(s.shape) * size, s.seq_dim, tuple(strides))
+        self.manifest: tuple[ManifestEntry, ...] = tuple(entries[s.name] for s in specs)
+        self.nbytes = max(_align(self.prefix_nbytes(self.rows), align), align)
         # The single allocation. Zero-filled: zero is the "no state yet" value of every component.
         self.storage = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)
-        self.views: dict[str, torch.Tensor] = {
-            e.name: typed_view(self.storage, e.offset, e.torch_dtype, e.shape)
-            for e in self.manifest
-        }
+        self.views: dict[str, torch.Tensor] = {e.name: self.view(e) for e in self.manifest}
         self._by_name = {e.name: e for e in self.manifest}
-        self._index = {e.name: i for i, e in enumerate(self.manifest)}
-        self._seq_kinds = {e.kind for e in self.manifest if e.seq_dim is not None}
-        self._pack_plans: dict[tuple[int, bool], tuple] = {}
-        self._restore_plans: dict[tuple, tuple] = {}
+        self._seq_kinds = {e.kind for e in self.manifest if e.strides is not None}
         self.epoch = next(_EPOCHS)  # changes whenever a row before the live position is rewritten
         self._parents: dict[int, tuple[int, int]] = {}  # epoch -> (parent epoch, rows shared)
-        # The storage as words of every width (nbytes is a multiple of ALIGN) for _Run views.
-        self._words = {dtype: self.storage.view(dtype) for _, dtype in _WORDS}
-        layout = {'align': align, 'entries': [e.to_json() for e in self.manifest]}
+        self._words = _words(self.storage)
+        layout = {'align': align, 'rows': self.rows, 'row_nbytes': self.row_nbytes,
+                  'entries': [e.to_json() for e in self.manifest]}
         self.layout_fingerprint = hashlib.sha256(
             json.dumps(layout, sort_keys=True).encode()
         ).hexdigest()
+
+    def view(self, e: ManifestEntry, buf: torch.Tensor | None = None,
+             rows: int | None = None) -> torch.Tensor:
+        """
+        Return tensor `e` as a view of `buf` (default the arena; else a blob laid out as the
+        arena's prefix), with only its first `rows` steps when given.
+        """
+        buf = self.storage if buf is None else buf
+        if e.strides is None:
+            return typed_view(buf, e.offset, e.torch_dtype, e.shape)
+        typed = buf.view(e.torch_dtype)
+        shape = list(e.shape)
+        if rows is not None:
+            shape[e.seq_dim] = rows
+        size = typed.element_size()
+        return typed.as_strided(shape, e.strides, typed.storage_offset() + e.offset // size)
 
     @property
     def kinds(self) -> list[str]:
@@ -346,163 +310,44 @@ class StateArena:
         data = self.storage if self.storage.device.type == 'cpu' else self.storage.cpu()
         hasher.update(memoryview(data.numpy()))
 
-    # ---- snapshot / restore helpers -------------------------------------------------
+    # ---- snapshot / restore ----------------------------------------------------------
 
-    def plan(self, position: int, whole: bool) -> Packing:
-        """
-        Lay out a snapshot blob at `position`: the whole arena, or only the live parts.
+    def prefix_nbytes(self, rows: int) -> int:
+        """Bytes of the arena prefix that holds the state at `rows` positions."""
+        return self.head_nbytes + rows * self.row_nbytes
 
-        A packed blob keeps the tensors without a sequence axis at their arena offsets (the
-        arena puts them first, so they are one range) and the used rows of every KV tensor
-        dense after them.
-        """
-        if whole:
-            segs = tuple(
-                Segment(
-                    e.name, None if e.seq_dim is None else e.shape[e.seq_dim], e.offset, e.nbytes
-                )
-                for e in self.manifest
-            )
-            return Packing(True, segs, self.nbytes)
-        segs, cursor = [], 0
-        for e in self.manifest:
-            rows = None if e.seq_dim is None else min(position, e.shape[e.seq_dim])
-            nbytes = e.nbytes if rows is None else rows * e.row_nbytes()
-            offset = _align(cursor, self.align) if rows is None else cursor
-            segs.append(Segment(e.name, rows, offset, nbytes))
-            cursor = offset + nbytes
-        return Packing(False, tuple(segs), cursor)
+    def packing(self, position: int) -> Packing:
+        """The packing of a snapshot at `position`: the prefix up to its last used row."""
+        rows = min(position, self.rows)
+        return Packing(rows, self.prefix_nbytes(rows))
 
-    def choose_whole(self, position: int) -> bool:
+    def pack(self, position: int, alloc=None) -> tuple[torch.Tensor, Packing]:
         """
-        Whether one whole-arena copy is cheaper than copying the used rows only.
+        Copy the state at `position` into a flat uint8 blob on the arena's device: one copy.
 
-        A rough cost model, time = bytes / bandwidth + copies * launch overhead: on a GPU
-        each extra copy is a kernel launch (~5 us) while bandwidth is huge, so one big copy
-        usually wins; on a CPU copies are cheap to start and bandwidth is the limit.
+        alloc(nbytes) returns the blob to fill (default: a new tensor); every byte is written.
         """
-        packing, runs, _ = self._pack_plan(position, False)
-        if self.device.type == 'cuda':
-            bytes_per_us, launch_us = 500e3, 6.0
-        else:
-            bytes_per_us, launch_us = 10e3, 2.0
-        t_whole = self.nbytes / bytes_per_us + launch_us
-        t_packed = packing.nbytes / bytes_per_us + len(runs) * launch_us
-        return t_whole <= t_packed
-
-    def runs(self, packing: Packing, kinds: set[str] | None = None) -> list[_Run]:
-        """
-        Merge a packing's segments into as few strided copies as the layout allows.
-
-        Neighbouring tensors without a sequence axis (or with all rows used) merge into one
-        flat range when they sit equally far apart in the arena and the blob; neighbouring
-        KV tensors of one layout merge into one [count, outer, rows * row] copy. `kinds`
-        keeps only tensors of those kinds; a tensor left out breaks a run.
-        """
-        runs: list[_Run] = []
-        for seg in packing.segments:
-            index, e = self._index[seg.name], self._by_name[seg.name]
-            if kinds is not None and e.kind not in kinds:
-                continue
-            last = runs[-1] if runs and runs[-1].last == index - 1 else None
-            seq_len = 0 if e.seq_dim is None else e.shape[e.seq_dim]
-            if seg.rows is None or seg.rows == seq_len:  # one flat range
-                arena_gap = e.offset - (last.arena_offset + last.row) if last else -1
-                blob_gap = seg.offset - (last.blob_offset + last.row) if last else -1
-                if last is not None and last.rows is None and arena_gap == blob_gap >= 0:
-                    runs[-1] = _Run(last.arena_offset, last.blob_offset, 1, 0, 1, 0,
-                                    e.offset + seg.nbytes - last.arena_offset, None, index)
-                else:
-                    runs.append(_Run(e.offset, seg.offset, 1, 0, 1, 0, seg.nbytes, None, index))
-                continue
-            outer = 1
-            for s in e.shape[:e.seq_dim]:
-                outer *= s
-            row = e.nbytes // (outer * seq_len)
-            if (last is not None and last.rows == seg.rows and last.outer == outer
-                    and last.row == row and last.seq_len == seq_len
-                    and seg.offset == last.blob_offset + last.nbytes):
-                stride = e.offset - last.arena_offset if last.count == 1 else last.stride
-                if e.offset == last.arena_offset + last.count * stride:
-                    runs[-1] = _Run(last.arena_offset, last.blob_offset, last.count + 1, stride,
-                                    outer, seq_len, row, seg.rows, index)
-                    continue
-            runs.append(_Run(e.offset, seg.offset, 1, e.nbytes, outer, seq_len, row,
-                             seg.rows, index))
-        return runs
-
-    def _pack_plan(self, position: int, whole: bool) -> tuple:
-        """
-        (packing, runs, arena views) for pack(), built once per (position, whole).
-
-        Kept for the last few positions: the views are of the arena (which never moves), so
-        a snapshot only allocates the blob and copies every run in one fused call.
-        """
-        key = (position if not whole else -1, whole)
-        plan = self._pack_plans.get(key)
-        if plan is not None:
-            return plan
-        packing = self.plan(position, whole)
-        runs = [] if whole else [r for r in self.runs(packing) if r.nbytes]
-        plan = (packing, runs, [r.arena_view(self._words) for r in runs])
-        if len(self._pack_plans) >= 8:
-            self._pack_plans.clear()  # a few positions are hot (prefill end, turn ends)
-        self._pack_plans[key] = plan
-        return plan
-
-    def pack(
-        self, position: int, whole: bool, alloc=None
-    ) -> tuple[torch.Tensor, Packing]:
-        """
-        Copy the state at `position` into a flat uint8 blob on the arena's device.
-
-        alloc(nbytes) returns the blob to fill (default: a new tensor); every byte of it is
-        written.
-        """
-        packing, runs, views = self._pack_plan(position, whole)
+        packing = self.packing(position)
         blob = (
             alloc(packing.nbytes)
             if alloc is not None
             else torch.empty(packing.nbytes, dtype=torch.uint8, device=self.device)
         )
-        if whole:
-            arena, words = self._whole(blob)
-            words.copy_(arena)  # one copy, memcpy speed
-        elif runs:
-            torch._foreach_copy_([r.blob_view(blob, v.dtype) for r, v in zip(runs, views)],
-                                 views)
+        dst = _words(blob)
+        dst.copy_(self._words[:dst.numel()] if dst.dtype == self._words.dtype
+                  else self.storage[:packing.nbytes])
         return blob, packing
 
-    def _whole(self, blob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(arena, blob) of a whole-arena copy, as int64 words when the blob's start allows."""
-        dtype = torch.int64 if blob.storage_offset() % 8 == 0 else torch.uint8
-        return self._words[dtype], blob.view(dtype)
-
-    def copy_pairs(
-        self, blob: torch.Tensor, packing: Packing, kinds: set[str] | None = None,
-        skip_rows: bool = False,
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[_Run], int]:
+    def copy_pair(self, blob: torch.Tensor, packing: Packing,
+                  skip_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """
-        (arena destinations, blob sources, runs with rows, bytes copied) for a restore.
-
-        skip_rows leaves out every copy of sequence rows: the caller knows the live state
-        already holds them (rows_shared); their stale tails are still zeroed.
+        (arena destination, blob source) of a restore: the blob's whole prefix, or with
+        skip_rows only the head (the caller knows the live state holds the rows: see
+        rows_shared). Views only; a caller may keep them for repeated restores of one blob.
         """
-        start = blob.storage_offset()
-        key = (packing, None if kinds is None else tuple(sorted(kinds)), start % 8, skip_rows)
-        plan = self._restore_plans.get(key)
-        if plan is None:  # the arena side depends on the packing only: shared by capsules
-            runs = self.runs(packing, kinds)
-            copied = [(r, r.word(start)) for r in runs if r.nbytes and not (
-                skip_rows and r.rows is not None and self.max_position is not None
-                and r.seq_len >= self.max_position)]
-            plan = (copied, [r.arena_view(self._words, dtype=d) for r, d in copied],
-                    [r for r in runs if r.rows is not None], sum(r.nbytes for r, _ in copied))
-            if len(self._restore_plans) >= 16:
-                self._restore_plans.clear()
-            self._restore_plans[key] = plan
-        copied, dsts, partial, nbytes = plan
-        return dsts, [r.blob_view(blob, d) for r, d in copied], partial, nbytes
+        src = _words(blob[:self.head_nbytes] if skip_rows else blob)
+        dst = self._words if src.dtype == self._words.dtype else self.storage
+        return dst[:src.numel()], src
 
     def unpack(
         self,
@@ -510,35 +355,38 @@ class StateArena:
         packing: Packing,
         live_position: int,
         kinds: set[str] | None = None,
-        pairs: tuple | None = None,
+        pair: tuple[torch.Tensor, torch.Tensor] | None = None,
         lineage: tuple[int | None, int] = (None, 0),
     ) -> int:
         """
         Copy a snapshot blob back into the arena in place; return the bytes copied.
 
-        kinds=None restores everything; a set restores only entries of those kinds (the
-        KV-only ablation). Rows a newer state wrote past the snapshot's prefix (up to
-        live_position) are zeroed, which re-establishes the zero-tail invariant. `pairs`
-        (from copy_pairs) may skip the sequence rows the live state already shares.
+        kinds=None restores everything in one copy (`pair`, from copy_pair, may leave out
+        the rows the live state shares); a set restores only entries of those kinds (the
+        KV-only ablation), tensor by tensor. Rows a newer state wrote past the snapshot's
+        (up to live_position) are zeroed, which re-establishes the zero-tail invariant.
         lineage: (epoch, position) of the capsule, the parent of the epoch this begins.
         """
-        if packing.whole and kinds is None:
-            arena, words = self._whole(blob)
-            arena.copy_(words)  # one copy; the tail comes back as it was
+        stale = min(max(live_position, packing.rows), self.rows)
+        if kinds is None:
+            dst, src = pair if pair is not None else self.copy_pair(blob, packing)
+            dst.copy_(src)
+            if stale > packing.rows:
+                self.storage[packing.nbytes:self.prefix_nbytes(stale)].zero_()
             self.begin_epoch(*lineage)
-            return self.nbytes
-        if kinds is not None and not self._seq_kinds <= kinds:
+            return src.numel() * src.element_size()
+        if not self._seq_kinds <= kinds:
             lineage = (None, 0)  # some sequence rows stay the live state's, not the capsule's
-        dsts, srcs, partial, nbytes = (
-            pairs if pairs is not None else self.copy_pairs(blob, packing, kinds))
-        if dsts:
-            torch._foreach_copy_(dsts, srcs)  # one call for all runs
-        for r in partial:
-            stale_end = min(max(live_position, r.rows), r.seq_len)
-            if stale_end > r.rows:
-                r.arena_view(self._words, (r.rows, stale_end)).zero_()
+        if blob.storage_offset() % SLOT_ALIGN:
+            blob = blob.clone()  # typed views need aligned elements (a mapped disk blob)
+        copied = 0
+        for e in self.manifest:
+            if e.kind not in kinds:
+                continue
+            rows = None if e.strides is None else packing.rows
+            self.view(e, rows=rows).copy_(self.view(e, blob, rows))
+            copied += e.nbytes if rows is None else e.nbytes // self.rows * rows
+            if rows is not None and stale > rows:
+                self.view(e).narrow(e.seq_dim, rows, stale - rows).zero_()
         self.begin_epoch(*lineage)
-        return nbytes
-
-    def check_compatible(self, manifest: Sequence[ManifestEntry]) -> bool:
-        return tuple(manifest) == self.manifest
+        return copied

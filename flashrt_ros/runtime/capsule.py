@@ -58,7 +58,7 @@ from .errors import (
 )
 
 TIERS = ('device', 'host', 'disk')
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: arena prefix blobs (row-block layout)
 MAX_NAME_LEN = 128
 _NAME_RE = re.compile(r'^[A-Za-z0-9][A-Za-z0-9_.\-]*$')
 _SUFFIX = '.safetensors'

@@ -304,13 +304,9 @@ class Runtime:
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self._pool.take(nbytes)
 
-    def _capture(
-        self, name: str, tier: str, whole: bool | None = None, pinned: bool = False
-    ) -> Capsule:
+    def _capture(self, name: str, tier: str, pinned: bool = False) -> Capsule:
         """Copy the live state into a new capsule (not yet stored)."""
-        if whole is None:
-            whole = tier == 'device' and self.arena.choose_whole(self.position)
-        blob, packing = self.arena.pack(self.position, whole, self._alloc)  # a new blob
+        blob, packing = self.arena.pack(self.position, self._alloc)  # a new blob, one copy
         if tier != 'device' and self.device.type != 'cpu':  # on a CPU runtime: host memory now
             blob = move_blob(blob, 'host', self.device)
         rng = self.generator.get_state()
@@ -358,6 +354,8 @@ class Runtime:
                 pending is None or isinstance(pending, int)
             ):
                 raise ValueError('position/pending out of range')
+            if cap.packing != self.arena.packing(position):
+                raise ValueError(f'packing {cap.packing} does not fit position {position}')
             meta['adapter']['layers']
             meta['rng'] = torch.frombuffer(bytearray.fromhex(meta['rng']), dtype=torch.uint8)
         except (ValueError, KeyError, TypeError) as exc:
@@ -384,17 +382,16 @@ class Runtime:
         # The sequence rows the live state already shares with the capsule (same lineage,
         # e.g. back to a checkpoint taken moments ago) are not copied again.
         skip = self.arena.rows_shared(cap.epoch) >= cap.position
-        key = (id(self.arena), blob.data_ptr(), None if kinds is None else tuple(sorted(kinds)),
-               skip)
-        pairs = cap.restore_cache.get(key)
-        if pairs is None and not (cap.packing.whole and kinds is None):
-            # Typed views of the blob and the arena, built once per capsule: repeated restores
-            # (the interrupt/reset path) then cost one fused copy call, not one per tensor.
-            pairs = self.arena.copy_pairs(blob, cap.packing, kinds, skip)
-            if blob is cap.blob:
-                cap.restore_cache[key] = pairs
+        pair = None
+        if kinds is None:
+            key = (id(self.arena), blob.data_ptr(), skip)
+            pair = cap.restore_cache.get(key)
+            if pair is None:
+                pair = self.arena.copy_pair(blob, cap.packing, skip)
+                if blob is cap.blob:  # views of an immutable blob: kept for the next restore
+                    cap.restore_cache[key] = pair
         self._last_restore_copied = self.arena.unpack(
-            blob, cap.packing, max(self.position, self._extent), kinds, pairs,
+            blob, cap.packing, max(self.position, self._extent), kinds, pair,
             (cap.epoch, cap.position))
         self._extent = 0
         self.adapter.import_meta(meta['adapter'])
@@ -405,7 +402,7 @@ class Runtime:
     def _commit(self) -> None:
         """Mark the live state as a committed boundary (push it on the rollback ring)."""
         if self.config.rollback_depth > 0:
-            self._ring.append(self._capture(f'@boundary-{self.position}', 'device', whole=False))
+            self._ring.append(self._capture(f'@boundary-{self.position}', 'device'))
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         self._require_mode(policy=False)
@@ -897,7 +894,7 @@ class Runtime:
                 entry.restore_cache['meta'] = meta
                 entry.epoch = self.arena.epoch  # the live state as the restore left it
             else:
-                entry = self._capture(f'@boundary-{self.position}', 'device', whole=False)
+                entry = self._capture(f'@boundary-{self.position}', 'device')
             self._ring.append(entry)
         if self.device.type == 'cuda':
             torch.cuda.synchronize(self.device)  # the info's latency covers the copy itself

@@ -1,10 +1,11 @@
-"""StateArena: one allocation, typed views, prefix packing that restores the full arena exactly."""
+"""StateArena: one allocation, typed views, a state that is a prefix of it, one-copy capsules."""
 
 import hashlib
 
-from flashrt_ros.runtime.arena import ALIGN, StateArena, StateSpec
+from flashrt_ros.runtime.arena import ALIGN, SLOT_ALIGN, StateArena, StateSpec
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _specs(max_len=16):
@@ -42,12 +43,47 @@ def test_views_share_one_aligned_allocation():
     end = base + arena.nbytes
     for e in arena.manifest:
         view = arena.views[e.name]
-        assert e.offset % ALIGN == 0
         assert view.dtype == e.torch_dtype and tuple(view.shape) == e.shape
-        assert base + e.offset == view.data_ptr() and view.data_ptr() + e.nbytes <= end
+        assert base + e.offset == view.data_ptr()
+        if e.seq_dim is None:  # head: contiguous, aligned
+            assert e.offset % ALIGN == 0 and view.is_contiguous()
+            assert view.data_ptr() + e.nbytes <= end
+        else:  # row block: one step of the tensor per row
+            assert e.offset % SLOT_ALIGN == 0 and e.offset >= arena.head_nbytes
+            assert view.stride(e.seq_dim) * view.element_size() == arena.row_nbytes
+            last = view.select(e.seq_dim, e.shape[e.seq_dim] - 1)
+            assert last.data_ptr() + last.numel() * last.element_size() <= end
     arena.views['L0.recurrent0'].fill_(1.5)  # writes land in the one storage
     assert arena.storage.count_nonzero() > 0
     assert {e.dtype for e in arena.manifest} == {'bfloat16', 'float32', 'int64', 'int32'}
+
+
+def test_state_at_a_position_is_a_prefix_of_the_arena():
+    """Step t writes only the head and row t: the state at p is the first prefix_nbytes(p)."""
+    arena = StateArena(_specs(), 'cpu')
+    for t in range(6):
+        before = arena.storage.clone()
+        _advance(arena, t, t + 1, seed=t)
+        changed = (arena.storage != before).nonzero().flatten()
+        lo, hi = arena.prefix_nbytes(t), arena.prefix_nbytes(t + 1)
+        assert all(i < arena.head_nbytes or lo <= i < hi for i in changed.tolist())
+        assert arena.storage[hi:].count_nonzero() == 0
+    assert arena.packing(6).nbytes == arena.prefix_nbytes(6) < arena.nbytes
+
+
+def _copies(fn):
+    """Count the aten copy_ calls fn makes."""
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.copy_.default:
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
 
 
 def test_layout_fingerprint_tracks_shapes():
@@ -61,25 +97,45 @@ def test_layout_fingerprint_tracks_shapes():
     )
 
 
-@pytest.mark.parametrize('whole', [False, True])
-def test_pack_unpack_restores_every_byte(whole):
+@pytest.mark.parametrize('position', [5, 16])
+def test_pack_unpack_restores_every_byte(position):
     arena = StateArena(_specs(), 'cpu')
-    _advance(arena, 0, 5, seed=1)
+    _advance(arena, 0, position, seed=1)
     snap_digest = _digest(arena)
-    blob, packing = arena.pack(5, whole=whole)
-    assert packing.whole == whole
-    if not whole:
-        assert blob.numel() < arena.nbytes  # only the used KV prefix was copied
-    _advance(arena, 5, 12, seed=2)  # a newer state wrote rows 5..11 and changed the rest
+    blob, packing = arena.pack(position)
+    assert packing.rows == position and blob.numel() == arena.prefix_nbytes(position)
+    _advance(arena, 0, 0, seed=2)  # a newer state changed the head...
+    _advance(arena, position, 16, seed=3)  # ...and wrote the rows after the snapshot's
     assert _digest(arena) != snap_digest
-    arena.unpack(blob, packing, live_position=12)
+    arena.unpack(blob, packing, live_position=16)
     assert _digest(arena) == snap_digest  # stale rows past the prefix were zeroed
+
+
+def test_restore_skipping_shared_rows_copies_the_head_only():
+    arena = StateArena(_specs(), 'cpu')
+    _advance(arena, 0, 5, seed=4)
+    snap_digest = _digest(arena)
+    blob, packing = arena.pack(5)
+    _advance(arena, 5, 9, seed=5)  # same lineage: rows 0..4 untouched
+    copied = arena.unpack(blob, packing, live_position=9, pair=arena.copy_pair(blob, packing, True))
+    assert copied == arena.head_nbytes and _digest(arena) == snap_digest
+
+
+def test_rolling_window_lives_in_the_head_and_is_copied_whole():
+    specs = _specs() + [StateSpec('window', 'recurrent', (4, 3), torch.float32, seq_dim=0)]
+    arena = StateArena(specs, 'cpu', max_position=16)
+    assert arena.entry('window').strides is None and arena.entry('window').offset < arena.head_nbytes
+    arena.views['window'].fill_(2.0)
+    blob, packing = arena.pack(1)
+    arena.views['window'].zero_()
+    arena.unpack(blob, packing, live_position=1)
+    assert bool((arena.views['window'] == 2.0).all())
 
 
 def test_unpack_subset_of_kinds_leaves_the_rest():
     arena = StateArena(_specs(), 'cpu')
     _advance(arena, 0, 4, seed=3)
-    blob, packing = arena.pack(4, whole=False)
+    blob, packing = arena.pack(4)
     kv_then = arena.views['L1.key'].clone()
     _advance(arena, 4, 9, seed=4)
     rec_now = arena.views['L0.recurrent0'].clone()
@@ -100,23 +156,22 @@ def _layers(n, max_len=16):
             for i in range(n) for s in _specs(max_len)]
 
 
-def test_snapshot_copies_are_few_whatever_the_layer_count():
-    # Tensors without a sequence axis are one range; KV tensors of one layout one strided
-    # copy; so 1 + (number of KV layouts) copies for 1 or 12 layers.
+def test_snapshot_and_restore_are_one_copy_whatever_the_layer_count():
     for n in (1, 12):
         arena = StateArena(_layers(n), 'cpu')
-        assert len(arena.runs(arena.plan(5, whole=False))) == 3
-        kinds = [e.seq_dim is not None for e in arena.manifest]
-        assert kinds == sorted(kinds)  # no sequence axis first
+        _advance(arena, 0, 5, seed=n)
+        blob, packing = arena.pack(5)
+        assert _copies(lambda: arena.pack(5)) == 1
+        assert _copies(lambda: arena.unpack(blob, packing, live_position=5)) == 1
 
 
 def test_packed_blob_is_deterministic_and_restores_many_layers():
     arena = StateArena(_layers(6), 'cpu')
     _advance(arena, 0, 7, seed=5)
     snap_digest = _digest(arena)
-    first, packing = arena.pack(7, whole=False)
+    first, packing = arena.pack(7)
     second = torch.full_like(first, 0xAB)
-    arena.pack(7, whole=False, alloc=lambda nbytes: second)
+    arena.pack(7, alloc=lambda nbytes: second)
     assert torch.equal(first, second)  # every blob byte is written: padding is copied too
     assert packing.nbytes == first.numel() < arena.nbytes
     _advance(arena, 7, 16, seed=6)
@@ -129,7 +184,7 @@ def test_unpack_of_kinds_between_others_leaves_neighbours():
     # copy its neighbours' bytes through one merged range.
     arena = StateArena(_layers(3), 'cpu')
     _advance(arena, 0, 4, seed=7)
-    blob, packing = arena.pack(4, whole=False)
+    blob, packing = arena.pack(4)
     length_then = arena.views['L1.L1.length'].clone()
     _advance(arena, 4, 9, seed=8)
     conv_now = {n: arena.views[n].clone() for n in arena.views if n.endswith('conv0')}
