@@ -247,8 +247,9 @@ class StateArena:
     def view(self, e: ManifestEntry, buf: torch.Tensor | None = None,
              rows: int | None = None) -> torch.Tensor:
         """
-        Return tensor `e` as a view of `buf` (default the arena; else a blob laid out as the
-        arena's prefix), with only its first `rows` steps when given.
+        Return tensor `e` as a view of `buf`, only its first `rows` steps when given.
+
+        buf: the arena (default) or a blob laid out as the arena's prefix.
         """
         buf = self.storage if buf is None else buf
         if e.strides is None:
@@ -317,7 +318,7 @@ class StateArena:
         return self.head_nbytes + rows * self.row_nbytes
 
     def packing(self, position: int) -> Packing:
-        """The packing of a snapshot at `position`: the prefix up to its last used row."""
+        """Return the packing of a snapshot at `position`: the prefix to its last used row."""
         rows = min(position, self.rows)
         return Packing(rows, self.prefix_nbytes(rows))
 
@@ -341,9 +342,11 @@ class StateArena:
     def copy_pair(self, blob: torch.Tensor, packing: Packing,
                   skip_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """
-        (arena destination, blob source) of a restore: the blob's whole prefix, or with
-        skip_rows only the head (the caller knows the live state holds the rows: see
-        rows_shared). Views only; a caller may keep them for repeated restores of one blob.
+        Return (arena destination, blob source) of a restore.
+
+        The blob's whole prefix, or with skip_rows only the head (the caller knows the live
+        state holds the rows: see rows_shared). Views only; a caller may keep them for
+        repeated restores of one blob.
         """
         src = _words(blob[:self.head_nbytes] if skip_rows else blob)
         dst = self._words if src.dtype == self._words.dtype else self.storage

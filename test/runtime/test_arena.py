@@ -117,14 +117,16 @@ def test_restore_skipping_shared_rows_copies_the_head_only():
     snap_digest = _digest(arena)
     blob, packing = arena.pack(5)
     _advance(arena, 5, 9, seed=5)  # same lineage: rows 0..4 untouched
-    copied = arena.unpack(blob, packing, live_position=9, pair=arena.copy_pair(blob, packing, True))
+    pair = arena.copy_pair(blob, packing, skip_rows=True)
+    copied = arena.unpack(blob, packing, live_position=9, pair=pair)
     assert copied == arena.head_nbytes and _digest(arena) == snap_digest
 
 
 def test_rolling_window_lives_in_the_head_and_is_copied_whole():
     specs = _specs() + [StateSpec('window', 'recurrent', (4, 3), torch.float32, seq_dim=0)]
     arena = StateArena(specs, 'cpu', max_position=16)
-    assert arena.entry('window').strides is None and arena.entry('window').offset < arena.head_nbytes
+    window = arena.entry('window')
+    assert window.strides is None and window.offset < arena.head_nbytes
     arena.views['window'].fill_(2.0)
     blob, packing = arena.pack(1)
     arena.views['window'].zero_()
