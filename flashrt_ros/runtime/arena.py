@@ -377,7 +377,7 @@ class StateArena:
             if stale > packing.rows:
                 self.storage[packing.nbytes:self.prefix_nbytes(stale)].zero_()
             self.begin_epoch(*lineage)
-            return src.numel() * src.element_size()
+            return src.nbytes
         if not self._seq_kinds <= kinds:
             lineage = (None, 0)  # some sequence rows stay the live state's, not the capsule's
         if blob.storage_offset() % SLOT_ALIGN:

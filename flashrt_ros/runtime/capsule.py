@@ -34,7 +34,6 @@ keep a copy in another tier, fork it under a new name.
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
 import hashlib
 import json
 import os
@@ -43,7 +42,7 @@ import re
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 import weakref
 
 import torch
@@ -90,8 +89,9 @@ def validate_tier(tier: Any) -> str:
     return tier
 
 
-@dataclass(frozen=True)
-class CapsuleInfo:
+class CapsuleInfo(NamedTuple):
+    """What a capsule operation reports (immutable; built on every restore, so a tuple)."""
+
     name: str
     tier: str
     nbytes: int
@@ -133,7 +133,7 @@ class Capsule:
         self.pinned, self.checksum, self.path = pinned, checksum, path
         self.nbytes = int(blob.numel()) if nbytes is None else nbytes
         self.last_used = time.monotonic()
-        self.restore_cache: dict = {}  # per-arena restore plan (views), built on first restore
+        self.restore_cache: dict = {}  # checked meta, copy views of the blob (its runtime's)
         # The arena epoch the state was taken in (arena.rows_shared); None when unknown, as
         # for a capsule read from disk. In memory only: epochs are per process.
         self.epoch = epoch

@@ -384,8 +384,8 @@ class Runtime:
         skip = self.arena.rows_shared(cap.epoch) >= cap.position
         pair = None
         if kinds is None:
-            key = (id(self.arena), blob.data_ptr(), skip)
-            pair = cap.restore_cache.get(key)
+            key = 'head' if skip else 'prefix'
+            pair = cap.restore_cache.get(key) if blob is cap.blob else None
             if pair is None:
                 pair = self.arena.copy_pair(blob, cap.packing, skip)
                 if blob is cap.blob:  # views of an immutable blob: kept for the next restore
@@ -980,7 +980,7 @@ class Runtime:
     def delete_capsule(self, name: str) -> CapsuleInfo:
         t0 = time.perf_counter()
         info = self.store.delete(name)
-        return CapsuleInfo(**{**info.__dict__, 'latency_s': time.perf_counter() - t0})
+        return info._replace(latency_s=time.perf_counter() - t0)
 
     def drain_evictions(self) -> list[CapsuleInfo]:
         """Capsules the lru policy evicted since the last call, for telemetry."""
@@ -989,7 +989,7 @@ class Runtime:
     def verify_capsule(self, name: str) -> CapsuleInfo:
         t0 = time.perf_counter()
         info = self.store.verify(name)
-        return CapsuleInfo(**{**info.__dict__, 'latency_s': time.perf_counter() - t0})
+        return info._replace(latency_s=time.perf_counter() - t0)
 
     # ---- introspection ----------------------------------------------------------------
 

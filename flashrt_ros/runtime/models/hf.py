@@ -145,6 +145,7 @@ class CacheBinding:
         self._sliding = [(str(i), layer) for i, layer in enumerate(self.cache.layers)
                          if isinstance(layer, cu.StaticSlidingWindowLayer)]
         self.specs = self._probe_specs(config, probe)
+        self._imports: dict[int, tuple] = {}  # id(meta) -> (meta, plan): see import_meta
 
     # ---- discovery -------------------------------------------------------------------
 
@@ -240,16 +241,31 @@ class CacheBinding:
         return {'layers': layers}
 
     def import_meta(self, meta: dict[str, Any]) -> None:
-        layers = self.cache.layers
+        # A capsule's meta is immutable and restored again and again (the interrupt path):
+        # what it sets is worked out once per meta object (kept alive here, so its id is
+        # not reused while cached).
+        plan = self._imports.get(id(meta))
+        if plan is None or plan[0] is not meta:
+            plan = (meta, self._import_plan(meta))
+            if len(self._imports) >= 64:
+                self._imports.clear()
+            self._imports[id(meta)] = plan
+        for layer, flags, length in plan[1]:
+            if flags is not None:
+                layer.has_previous_state.update(flags)
+            if length is not None:
+                layer.cumulative_length_int = length
+
+    def _import_plan(self, meta: dict[str, Any]) -> list[tuple]:
+        """(layer, {state: flag} or None, cumulative length or None) for each layer in meta."""
+        plan = []
         for key, d in meta.get('layers', {}).items():
-            layer = layers[int(key)]
             flags = d.get('has_previous_state')
-            if flags:
-                target = layer.has_previous_state
-                for s, flag in enumerate(flags):
-                    target[s] = bool(flag)
-            if 'cumulative_length_int' in d:
-                layer.cumulative_length_int = int(d['cumulative_length_int'])
+            length = d.get('cumulative_length_int')
+            plan.append((self.cache.layers[int(key)],
+                         dict(enumerate(map(bool, flags))) if flags else None,
+                         None if length is None else int(length)))
+        return plan
 
     def _set_previous_state(self, flag: bool) -> None:
         """Mark every linear-attention state as (not) holding a previous step."""
