@@ -42,7 +42,7 @@ import re
 import tempfile
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 import weakref
 
 import torch
@@ -117,7 +117,7 @@ class Capsule:
         manifest: tuple[ManifestEntry, ...],
         fingerprint: str,
         position: int,
-        meta_json: str,
+        meta_json: str | Callable[[], str],
         components: tuple[str, ...],
         created: float | None = None,
         pinned: bool = False,
@@ -128,7 +128,7 @@ class Capsule:
     ):
         self.name, self.tier, self.blob, self.packing = name, tier, blob, packing
         self.manifest, self.fingerprint, self.position = manifest, fingerprint, position
-        self.meta_json, self.components = meta_json, components
+        self._meta_json, self.components = meta_json, components
         self.created = time.time() if created is None else created
         self.pinned, self.checksum, self.path = pinned, checksum, path
         self.nbytes = int(blob.numel()) if nbytes is None else nbytes
@@ -139,8 +139,11 @@ class Capsule:
         self.epoch = epoch
 
     @property
-    def meta(self) -> dict:
-        return json.loads(self.meta_json)
+    def meta_json(self) -> str:
+        """Return the non-tensor state as JSON (a capture may defer building it to first use)."""
+        if callable(self._meta_json):
+            self._meta_json = self._meta_json()
+        return self._meta_json
 
     def header(self) -> dict:
         """Everything but the blob and the checksum; what the checksum covers besides the bytes."""
@@ -183,7 +186,7 @@ class Capsule:
             manifest=self.manifest,
             fingerprint=self.fingerprint,
             position=self.position,
-            meta_json=self.meta_json,
+            meta_json=self._meta_json,
             components=self.components,
             created=time.time(),
             checksum='',

@@ -311,6 +311,10 @@ class Runtime:
             blob = move_blob(blob, 'host', self.device)
         rng = self.generator.get_state()
         meta = self._meta(rng)
+        # The adapter's part goes through JSON now: a custom adapter may export live
+        # objects, which must not leak into the capsule. The capsule's JSON is built when
+        # something needs it (a disk write, a checksum), not on every snapshot and commit.
+        meta['adapter'] = json.loads(json.dumps(meta['adapter'], sort_keys=True))
         cap = Capsule(
             name=name,
             tier=tier,
@@ -319,17 +323,14 @@ class Runtime:
             manifest=self.arena.manifest,
             fingerprint=self.fingerprint,
             position=self.position,
-            meta_json=json.dumps(meta, sort_keys=True),
+            meta_json=lambda: json.dumps(meta, sort_keys=True),
             components=self._components,
             pinned=pinned,
             epoch=self.arena.epoch,
         )
         # What _check_capsule would parse from meta_json, known here: the first restore of a
-        # fresh capsule (an interrupt back to the last checkpoint) skips parsing the sampler
-        # state. The adapter's part goes through JSON anyway: a custom adapter may export
-        # live objects, which must not leak into the capsule.
-        cap.restore_cache['meta'] = dict(
-            meta, rng=rng, adapter=json.loads(json.dumps(meta['adapter'], sort_keys=True)))
+        # fresh capsule (an interrupt back to the last checkpoint) skips parsing it.
+        cap.restore_cache['meta'] = dict(meta, rng=rng)
         return cap
 
     def _check_capsule(self, cap: Capsule) -> dict:
