@@ -376,13 +376,20 @@ class Runtime:
     def _apply(
         self, cap: Capsule, meta: dict, kinds: set[str] | None = None
     ) -> torch.Tensor:
-        """Write a checked capsule into the live state (cannot fail half-way); return its blob."""
-        blob = cap.blob
-        if blob.device != self.device:
-            blob = blob.to(self.device, non_blocking=True)  # pinned host -> device DMA
+        """
+        Write a checked capsule into the live state (cannot fail half-way).
+
+        Return the blob it copied from: the capsule's, or its transfer to this device (of
+        the head only, when the rows were skipped).
+        """
         # The sequence rows the live state already shares with the capsule (same lineage,
         # e.g. back to a checkpoint taken moments ago) are not copied again.
         skip = self.arena.rows_shared(cap.epoch) >= cap.position
+        blob = cap.blob
+        if blob.device != self.device:  # pinned host -> device DMA, of the head only if that
+            if skip and kinds is None:  # is all the restore copies
+                blob = blob[:self.arena.head_nbytes]
+            blob = blob.to(self.device, non_blocking=True)
         pair = None
         if kinds is None:
             key = 'head' if skip else 'prefix'
@@ -887,10 +894,12 @@ class Runtime:
             # device-side blob _apply copied from is the state too: a host capsule's blob
             # (immutable, on a CPU runtime) or the fresh device copy of a host/disk blob.
             # A disk blob read on a CPU runtime maps the file, so that one is copied in,
-            # as is the mixed state a kv_only restore leaves.
+            # as are a transfer of the head only and the mixed state a kv_only restore
+            # leaves.
             if mode == 'full' and cap.tier == 'device':
                 entry = cap
-            elif mode == 'full' and (cap.tier == 'host' or blob is not cap.blob):
+            elif mode == 'full' and blob.numel() == cap.packing.nbytes and (
+                    cap.tier == 'host' or blob is not cap.blob):
                 entry = cap.with_blob(f'@boundary-{self.position}', 'device', blob)
                 entry.restore_cache['meta'] = meta
                 entry.epoch = self.arena.epoch  # the live state as the restore left it
