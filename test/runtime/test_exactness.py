@@ -109,7 +109,7 @@ def test_seeded_sampling_is_repeatable_and_seed_dependent(make_runtime):
 def test_eager_attention_window_matches_the_whole_buffer(make_runtime, model):
     windowed = make_runtime(model, max_seq_len=1024)
     whole = make_runtime(model, max_seq_len=1024)
-    whole.adapter._windowed = []       # always attend over all 1024 rows
+    whole.adapter.binding.windowed = []  # always attend over all 1024 rows
     prompt = PROMPT * 8                # crosses the 256-token window quantum
     assert greedy(windowed, 24, prompt=prompt) == greedy(whole, 24, prompt=prompt)
     logits_w, logits_f = windowed.arena.views['logits'], whole.arena.views['logits']

@@ -344,7 +344,6 @@ class HFCausalLMAdapter(BindingDelegate, CausalLMAdapter):
         self.device, self.dtype = first.device, first.dtype
         self.binding = CacheBinding(self.model.config, max_seq_len, self.family, self._probe)
         self.cache = self.binding.cache
-        self._windowed = self.binding.windowed  # a test empties it to attend over everything
 
     @torch.inference_mode()
     def _probe(self, cache) -> None:
@@ -370,11 +369,7 @@ class HFCausalLMAdapter(BindingDelegate, CausalLMAdapter):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
-        window = None
-        if kv_len is not None:
-            window = min(-(-kv_len // WINDOW_QUANTUM) * WINDOW_QUANTUM, self.max_seq_len)
-        for layer in self._windowed:
-            layer.window = window
+        self.binding.set_window(kv_len)
         out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]  # [1, V]
 
