@@ -20,10 +20,6 @@ def _full_copy_only(rt):
     return rt
 
 
-def _seq_bytes(rt):
-    return sum(e.nbytes for e in rt.arena.manifest if e.seq_dim is not None)
-
-
 def test_restore_of_fresh_checkpoint_copies_no_sequence_rows(make_runtime):
     rt = make_runtime(max_seq_len=256)
     rt.prefill(PROMPT * 3)
