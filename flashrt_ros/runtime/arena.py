@@ -234,7 +234,7 @@ class StateArena:
         self.storage = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)
         self.views: dict[str, torch.Tensor] = {e.name: self.view(e) for e in self.manifest}
         self._by_name = {e.name: e for e in self.manifest}
-        self._seq_kinds = {e.kind for e in self.manifest if e.strides is not None}
+        self.seq_kinds = {e.kind for e in self.manifest if e.strides is not None}  # row block
         self.epoch = next(_EPOCHS)  # changes whenever a row before the live position is rewritten
         self._parents: dict[int, tuple[int, int]] = {}  # epoch -> (parent epoch, rows shared)
         self._words = _words(self.storage)
@@ -367,7 +367,8 @@ class StateArena:
         kinds=None restores everything in one copy (`pair`, from copy_pair, may leave out
         the rows the live state shares); a set restores only entries of those kinds (the
         KV-only ablation), tensor by tensor. Rows a newer state wrote past the snapshot's
-        (up to live_position) are zeroed, which re-establishes the zero-tail invariant.
+        (up to live_position) are zeroed in every row-block tensor, of a restored kind or
+        not, which re-establishes the zero-tail invariant.
         lineage: (epoch, position) of the capsule, the parent of the epoch this begins.
         """
         stale = min(max(live_position, packing.rows), self.rows)
@@ -378,18 +379,17 @@ class StateArena:
                 self.storage[packing.nbytes:self.prefix_nbytes(stale)].zero_()
             self.begin_epoch(*lineage)
             return src.nbytes
-        if not self._seq_kinds <= kinds:
+        if not self.seq_kinds <= kinds:
             lineage = (None, 0)  # some sequence rows stay the live state's, not the capsule's
         if blob.storage_offset() % SLOT_ALIGN:
             blob = blob.clone()  # typed views need aligned elements (a mapped disk blob)
         copied = 0
         for e in self.manifest:
-            if e.kind not in kinds:
-                continue
             rows = None if e.strides is None else packing.rows
-            self.view(e, rows=rows).copy_(self.view(e, blob, rows))
-            copied += e.nbytes if rows is None else e.nbytes // self.rows * rows
-            if rows is not None and stale > rows:
+            if e.kind in kinds:
+                self.view(e, rows=rows).copy_(self.view(e, blob, rows))
+                copied += e.nbytes if rows is None else e.nbytes // self.rows * rows
+            if rows is not None and stale > rows:  # of every kind: rows >= position are zero
                 self.view(e).narrow(e.seq_dim, rows, stale - rows).zero_()
         self.begin_epoch(*lineage)
         return copied

@@ -186,6 +186,9 @@ class Runtime:
             raise ConfigError(
                 f"device {config.device!r} requested but CUDA is not available; use device 'cpu'"
             )
+        if self.device.type == 'cuda' and self.device.index is None:
+            # With the index, tensors' devices compare equal to it (e.g. a device capsule's).
+            self.device = torch.device('cuda', torch.cuda.current_device())
         self.dtype = _DTYPES[config.dtype]
         self._lock = threading.RLock()
         self._interrupt = threading.Event()
@@ -355,9 +358,11 @@ class Runtime:
                 pending is None or isinstance(pending, int)
             ):
                 raise ValueError('position/pending out of range')
-            if cap.packing != self.arena.packing(position):
-                raise ValueError(f'packing {cap.packing} does not fit position {position}')
+            if position != cap.position or cap.packing != self.arena.packing(position):
+                raise ValueError(f'position {position} does not fit the header '
+                                 f'({cap.position}, {cap.packing})')
             meta['adapter']['layers']
+            self.adapter.check_meta(meta['adapter'])
             meta['rng'] = torch.frombuffer(bytearray.fromhex(meta['rng']), dtype=torch.uint8)
         except (ValueError, KeyError, TypeError) as exc:
             raise CorruptCapsuleError(

@@ -1,5 +1,6 @@
 """Capsule store: fork, rollback, disk tier, corruption, budgets and names."""
 
+import json
 import os
 import threading
 
@@ -12,8 +13,10 @@ from flashrt_ros.runtime import (
     InvalidNameError,
     InvalidRequestError,
 )
-from flashrt_ros.runtime.capsule import BlobPool
+from flashrt_ros.runtime.capsule import _checksum, BlobPool
 import pytest
+from safetensors import safe_open
+from safetensors.torch import save
 import torch
 
 
@@ -135,6 +138,40 @@ def test_damaged_disk_capsule_is_refused_and_state_untouched(make_runtime, damag
     assert rt.delete_capsule('c').tier == 'disk'
     assert not _disk_file(rt, 'c').exists()
     assert 'c' not in {i.name for i in rt.list_capsules()}
+
+
+def _resign(path, edit):
+    """Change a capsule file's header and sign it again: only the capsule's checks can tell."""
+    with safe_open(str(path), framework='pt') as f:
+        header = json.loads(f.metadata()['flashrt'])
+        blob = f.get_tensor('blob').clone()
+    edit(header)
+    header_json = json.dumps(header, sort_keys=True)
+    path.write_bytes(save({'blob': blob}, metadata={
+        'flashrt': header_json, 'checksum': _checksum(blob, header_json)}))
+
+
+def _unknown_layer(header):
+    meta = json.loads(header['meta'])
+    meta['adapter']['layers']['999'] = {'cumulative_length_int': 3}  # no such layer
+    header['meta'] = json.dumps(meta, sort_keys=True)
+
+
+def _other_position(header):
+    header['position'] += 1  # the meta still says the old one
+
+
+@pytest.mark.parametrize('edit', [_unknown_layer, _other_position])
+def test_disk_capsule_that_does_not_fit_is_refused_before_any_write(make_runtime, edit):
+    rt = make_runtime()
+    rt.prefill(PROMPT)
+    rt.snapshot('c', tier='disk')
+    greedy(rt, 4, prompt=OTHER_PROMPT)
+    live = rt.state_digest()
+    _resign(_disk_file(rt, 'c'), edit)
+    with pytest.raises(CorruptCapsuleError, match='delete'):
+        rt.restore('c')
+    assert rt.state_digest() == live
 
 
 def test_capsule_from_another_model_is_refused(make_runtime):

@@ -1,5 +1,6 @@
 """Policy mode: observations in, action chunks out, with the same capsule guarantees."""
 
+import json
 import math
 
 from flashrt_ros.runtime import InvalidRequestError
@@ -201,6 +202,42 @@ def test_a_user_module_gets_the_same_capsule_guarantees(make_runtime):
     rt.reset()
     assert rt.state_digest() == empty
     assert math.isclose(float(module.h.abs().sum()), 0.0)
+
+
+class Counter(GRUPolicy):
+    """Keeps the meta dict it is given and counts its steps in it."""
+
+    def __init__(self):
+        super().__init__()
+        self.meta = {'steps': 0}
+
+    def export_meta(self):
+        return self.meta
+
+    def import_meta(self, meta):
+        self.meta = meta
+
+    def reset_meta(self):
+        self.meta = {'steps': 0}
+
+    def forward(self, observations, position, generator):
+        self.meta['steps'] += len(observations)
+        return super().forward(observations, position, generator)
+
+
+def test_a_module_that_keeps_its_meta_cannot_change_a_capsule(make_runtime):
+    torch.manual_seed(0)
+    adapter = ModulePolicyAdapter(Counter(), PolicySpec(3, 2, 4), max_steps=128)
+    rt = make_runtime('user:counter', adapter=adapter)
+    rt.act([0.1, 0.2, 0.3])
+    rt.snapshot('a', 'host')
+    rt.restore('a')
+    for _ in range(5):
+        rt.act([0.0, 0.0, 0.0])  # updates the dict the restore handed over
+    rt.fork('a', 'a-disk', tier='disk')
+    assert json.loads(rt.store.get('a-disk').meta_json)['adapter']['steps'] == 1
+    rt.restore('a')
+    assert adapter.module.meta['steps'] == 1
 
 
 class GradPlanner(torch.nn.Module):

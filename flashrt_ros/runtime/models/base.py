@@ -53,6 +53,13 @@ class StateAdapter(ABC):
     def import_meta(self, meta: dict[str, Any]) -> None:
         """Inverse of export_meta; called after the arena bytes were restored."""
 
+    def check_meta(self, meta: dict[str, Any]) -> None:
+        """
+        Raise ValueError if import_meta(meta) would fail (a capsule read from disk).
+
+        Called before a restore writes anything, so a bad capsule leaves the state as it was.
+        """
+
     @abstractmethod
     def reset_meta(self) -> None:
         """Non-tensor state of a fresh sequence (the arena is zeroed separately)."""

@@ -240,31 +240,43 @@ class CacheBinding:
                 layer.cumulative_length_int)
         return {'layers': layers}
 
+    def check_meta(self, meta: dict[str, Any]) -> None:
+        self._import_plan(meta)
+
     def import_meta(self, meta: dict[str, Any]) -> None:
-        # A capsule's meta is immutable and restored again and again (the interrupt path):
-        # what it sets is worked out once per meta object (kept alive here, so its id is
-        # not reused while cached).
-        plan = self._imports.get(id(meta))
-        if plan is None or plan[0] is not meta:
-            plan = (meta, self._import_plan(meta))
-            if len(self._imports) >= 64:
-                self._imports.clear()
-            self._imports[id(meta)] = plan
-        for layer, flags, length in plan[1]:
+        for layer, flags, length in self._import_plan(meta):
             if flags is not None:
                 layer.has_previous_state.update(flags)
             if length is not None:
                 layer.cumulative_length_int = length
 
     def _import_plan(self, meta: dict[str, Any]) -> list[tuple]:
-        """(layer, {state: flag} or None, cumulative length or None) for each layer in meta."""
-        plan = []
-        for key, d in meta.get('layers', {}).items():
-            flags = d.get('has_previous_state')
-            length = d.get('cumulative_length_int')
-            plan.append((self.cache.layers[int(key)],
-                         dict(enumerate(map(bool, flags))) if flags else None,
-                         None if length is None else int(length)))
+        """
+        Return (layer, {state: flag} or None, cumulative length or None) per layer in meta.
+
+        A capsule's meta is immutable and restored again and again (the interrupt path), so
+        the plan is worked out once per meta object (kept alive here, so its id is not
+        reused while cached). ValueError when meta does not fit this model.
+        """
+        cached = self._imports.get(id(meta))
+        if cached is not None and cached[0] is meta:
+            return cached[1]
+        plan, layers = [], self.cache.layers
+        try:
+            for key, d in meta.get('layers', {}).items():
+                layer = layers[int(key)] if 0 <= int(key) < len(layers) else None
+                flags = d.get('has_previous_state')
+                length = d.get('cumulative_length_int')
+                if layer is None or (flags and len(flags) != layer.number_of_states) or (
+                        length is not None and not hasattr(layer, 'cumulative_length_int')):
+                    raise ValueError(f'layer {key!r} of the meta is not one of this model')
+                plan.append((layer, dict(enumerate(map(bool, flags))) if flags else None,
+                             None if length is None else int(length)))
+        except (AttributeError, TypeError) as exc:
+            raise ValueError(f'unreadable layer meta ({exc})') from exc
+        if len(self._imports) >= 64:
+            self._imports.clear()
+        self._imports[id(meta)] = (meta, plan)
         return plan
 
     def _set_previous_state(self, flag: bool) -> None:
@@ -322,6 +334,9 @@ class BindingDelegate:
 
     def import_meta(self, meta: dict[str, Any]) -> None:
         self.binding.import_meta(meta)
+
+    def check_meta(self, meta: dict[str, Any]) -> None:
+        self.binding.check_meta(meta)
 
     def reset_meta(self) -> None:
         self.binding.reset_meta()

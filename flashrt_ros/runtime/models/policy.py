@@ -225,8 +225,16 @@ class ModulePolicyAdapter(PolicyAdapter):
         return meta
 
     def import_meta(self, meta: dict[str, Any]) -> None:
-        if hasattr(self.module, 'import_meta'):
+        if isinstance(self.module, BindingDelegate):  # ours: reads the capsule's meta only
             self.module.import_meta(meta)
+        elif hasattr(self.module, 'import_meta'):
+            # A copy: a module may keep and update what it is given, and the capsule's own
+            # meta must stay as it was taken (later restores, its JSON on disk).
+            self.module.import_meta(json.loads(json.dumps(meta)))
+
+    def check_meta(self, meta: dict[str, Any]) -> None:
+        if hasattr(self.module, 'check_meta'):
+            self.module.check_meta(meta)
 
     def reset_meta(self) -> None:
         if hasattr(self.module, 'reset_meta'):
