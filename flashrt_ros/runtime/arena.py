@@ -27,8 +27,9 @@ Invariants kept by everyone that writes the arena, along the row block:
     live state provably shares with the capsule (see rows_shared): the interrupt path,
     back to a checkpoint taken moments ago, then copies the head (recurrent and conv
     state) and zeroes the few rows written since, whatever the length of the context.
-A sequence tensor shorter than the row block (a rolling window of recent steps, whose old
-rows are rewritten) lives in the head and is always copied whole.
+A sequence tensor of another length than the row block (a rolling window of recent steps,
+whose old rows are rewritten, e.g. a sliding-window KV) lives in the head and is always
+copied whole.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ class Packing:
     """
     How a snapshot blob maps onto the arena: it is the arena's first `nbytes` bytes.
 
-    Those are the head (every tensor without a sequence axis) and the first `rows` rows of
+    Those are the head (every tensor outside the row block) and the first `rows` rows of
     the row block; every later row of the state it was taken from was zero.
     """
 

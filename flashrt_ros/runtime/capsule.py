@@ -567,7 +567,8 @@ class CapsuleStore:
                 header = json.loads(header_json)
                 blob = None if header_only else f.get_tensor('blob')
             if header.get('format') != FORMAT_VERSION:
-                raise ValueError(f"format {header.get('format')!r}, expected {FORMAT_VERSION}")
+                raise ValueError(f"capsule format {header.get('format')!r}, this version reads "
+                                 f"{FORMAT_VERSION}: written by another flashrt_ros release")
             cap = Capsule(
                 name=name,
                 tier='disk',

@@ -35,8 +35,9 @@ Extension point - your own torch policy. Any nn.Module with these methods can be
             # what the kv_only ablation leaves alone; a 'kv' tensor may give seq_dim (rows
             # >= the position must stay zero, a step writes rows >= its position only) so
             # capsules copy only the used prefix and restores skip rows already live. One
-            # of length max_steps is a strided view (its rows interleave with the other
-            # sequence tensors'): index it, copy_ into it, reshape() rather than view().
+            # of length max_steps (= the runtime's max_seq_len) is a strided view, its rows
+            # interleaved with the other sequence tensors': index it, copy_ into it, and
+            # reshape() rather than view() it.
         def bind(self, views):                 # views: dict name -> arena tensor
             # Keep these views; read and write state ONLY through them, in place
             # (view.copy_(new)). Never reassign or allocate state afterwards.
