@@ -568,7 +568,7 @@ class CapsuleStore:
                 blob = None if header_only else f.get_tensor('blob')
             if header.get('format') != FORMAT_VERSION:
                 raise ValueError(f"capsule format {header.get('format')!r}, this version reads "
-                                 f"{FORMAT_VERSION}: written by another flashrt_ros release")
+                                 f'{FORMAT_VERSION}: written by another flashrt_ros release')
             cap = Capsule(
                 name=name,
                 tier='disk',
