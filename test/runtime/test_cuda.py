@@ -48,3 +48,23 @@ def test_graph_survives_restore_and_rollback(make_runtime):
     rt.restore('a')
     assert greedy(rt, 10) == first
     assert rt.stats()['cuda_graph']
+
+
+def test_same_lineage_host_restore_moves_only_the_head(make_runtime):
+    """Back to a host checkpoint of the live branch: the head crosses to the GPU, no KV row."""
+    rt = make_runtime(device='cuda', max_seq_len=256, rollback_depth=3)
+    assert rt.device.index is not None  # 'cuda' is pinned to an index: capsules compare equal
+    rt.prefill(PROMPT * 3)
+    rt.snapshot('h', 'host')
+    digest = rt.state_digest()
+    first = greedy(rt, 8)
+    rt.restore('h')
+    assert rt.state_digest() == digest
+    assert rt.stats()['last_restore_copied_bytes'] == rt.arena.head_nbytes
+    assert greedy(rt, 8) == first
+    rt.rollback(1)  # the ring entry of that restore is a capture, not the partial transfer
+    assert rt.state_digest() == digest
+    rt.arena.begin_epoch()  # lineage forgotten: the whole capsule comes over
+    rt.restore('h')
+    assert rt.state_digest() == digest
+    assert rt.stats()['last_restore_copied_bytes'] == rt.store.get('h').blob.numel()
