@@ -390,7 +390,10 @@ class StateArena:
             if e.kind in kinds:
                 self.view(e, rows=rows).copy_(self.view(e, blob, rows))
                 copied += e.nbytes if rows is None else e.nbytes // self.rows * rows
-            if rows is not None and stale > rows:  # of every kind: rows >= position are zero
-                self.view(e).narrow(e.seq_dim, rows, stale - rows).zero_()
+            # Rows past the position are zero in every tensor that cannot roll, of a restored
+            # kind or not (one longer than the row block lives in the head).
+            if e.seq_dim is not None and e.shape[e.seq_dim] >= self.rows > 0 and (
+                    stale > packing.rows):
+                self.view(e).narrow(e.seq_dim, packing.rows, stale - packing.rows).zero_()
         self.begin_epoch(*lineage)
         return copied

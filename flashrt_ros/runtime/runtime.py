@@ -354,15 +354,15 @@ class Runtime:
             meta = json.loads(cap.meta_json)
             position = int(meta['position'])
             pending = meta['pending']
-            if not 0 <= position <= self.config.max_seq_len or not (
-                pending is None or isinstance(pending, int)
-            ):
+            if not 0 <= position <= self.config.max_seq_len or not (pending is None or (
+                    type(pending) is int and not self.is_policy
+                    and 0 <= pending < self.adapter.vocab_size)):
                 raise ValueError('position/pending out of range')
             if position != cap.position or cap.packing != self.arena.packing(position):
                 raise ValueError(f'position {position} does not fit the header '
                                  f'({cap.position}, {cap.packing})')
             meta['adapter']['layers']
-            self.adapter.check_meta(meta['adapter'])
+            self.adapter.check_meta(self._adapter_meta(meta['adapter']))
             meta['rng'] = torch.frombuffer(bytearray.fromhex(meta['rng']), dtype=torch.uint8)
         except (ValueError, KeyError, TypeError) as exc:
             raise CorruptCapsuleError(
@@ -375,8 +375,18 @@ class Runtime:
                 f'capsule {cap.name!r} holds a sampler state from another device type; '
                 'restore it into a Runtime on the same kind of device'
             )
+        try:  # a state of the right size may still be one set_state refuses
+            torch.Generator(device=self.device).set_state(meta['rng'])
+        except RuntimeError as exc:
+            raise CorruptCapsuleError(
+                f'capsule {cap.name!r} holds an invalid sampler state ({exc}); delete it'
+            ) from exc
         cap.restore_cache['meta'] = meta
         return meta
+
+    def _adapter_meta(self, meta: dict) -> dict:
+        """Return a capsule's adapter meta as the adapter may have it: its own, or a copy."""
+        return meta if self.adapter.meta_read_only else json.loads(json.dumps(meta))
 
     def _apply(
         self, cap: Capsule, meta: dict, kinds: set[str] | None = None
@@ -407,7 +417,7 @@ class Runtime:
             blob, cap.packing, max(self.position, self._extent), kinds, pair,
             (cap.epoch, cap.position))
         self._extent = 0
-        self.adapter.import_meta(meta['adapter'])
+        self.adapter.import_meta(self._adapter_meta(meta['adapter']))
         self.generator.set_state(meta['rng'])
         self.position, self._pending = int(meta['position']), meta['pending']
         return blob

@@ -161,7 +161,30 @@ def _other_position(header):
     header['position'] += 1  # the meta still says the old one
 
 
-@pytest.mark.parametrize('edit', [_unknown_layer, _other_position])
+def _meta_edit(change):
+    def edit(header):
+        meta = json.loads(header['meta'])
+        change(meta)
+        header['meta'] = json.dumps(meta, sort_keys=True)
+    return edit
+
+
+def _rename_first_layer(meta):
+    layers = meta['adapter']['layers']
+    key = sorted(layers)[0]
+    layers['0' + key] = layers.pop(key)  # int() reads the same layer; not what export wrote
+
+
+_drop_a_layer = _meta_edit(lambda m: m['adapter']['layers'].popitem())
+_flags_of_ints = _meta_edit(lambda m: [d.update(has_previous_state=[1])
+                                       for d in m['adapter']['layers'].values()])
+_pending_out_of_vocab = _meta_edit(lambda m: m.update(pending=99999))
+_invalid_sampler_state = _meta_edit(lambda m: m.update(rng='00' * (len(m['rng']) // 2)))
+
+
+@pytest.mark.parametrize('edit', [
+    _unknown_layer, _other_position, _meta_edit(_rename_first_layer), _drop_a_layer,
+    _flags_of_ints, _pending_out_of_vocab, _invalid_sampler_state])
 def test_disk_capsule_that_does_not_fit_is_refused_before_any_write(make_runtime, edit):
     rt = make_runtime()
     rt.prefill(PROMPT)

@@ -113,7 +113,8 @@ def test_random_operations_match_a_runtime_that_always_copies_everything(
             skipped += 1
         assert fast.state_digest() == slow.state_digest(), f'step {step}: {op} {args}'
     assert skipped > 0  # the sequence exercised restores that skipped rows
-    assert greedy(fast, 8) == greedy(slow, 8)
+    prompt = PROMPT if fast.position == 0 else None  # a sequence may end on an empty state
+    assert greedy(fast, 8, prompt=prompt) == greedy(slow, 8, prompt=prompt)
 
 
 class _Frames(torch.nn.Module):

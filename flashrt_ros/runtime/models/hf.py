@@ -261,19 +261,25 @@ class CacheBinding:
         cached = self._imports.get(id(meta))
         if cached is not None and cached[0] is meta:
             return cached[1]
-        plan, layers = [], self.cache.layers
-        try:
-            for key, d in meta.get('layers', {}).items():
-                layer = layers[int(key)] if 0 <= int(key) < len(layers) else None
-                flags = d.get('has_previous_state')
-                length = d.get('cumulative_length_int')
-                if layer is None or (flags and len(flags) != layer.number_of_states) or (
-                        length is not None and not hasattr(layer, 'cumulative_length_int')):
-                    raise ValueError(f'layer {key!r} of the meta is not one of this model')
-                plan.append((layer, dict(enumerate(map(bool, flags))) if flags else None,
-                             None if length is None else int(length)))
-        except (AttributeError, TypeError) as exc:
-            raise ValueError(f'unreadable layer meta ({exc})') from exc
+        # Exactly what export_meta writes for this model (the fingerprint pins the layers).
+        layers = meta.get('layers')
+        expected = {key for key, _ in self._linear} | {key for key, _ in self._sliding}
+        if not isinstance(layers, dict) or set(layers) != expected:
+            raise ValueError(f'layer meta names layers {sorted(layers or ())}, this model has '
+                             f'{sorted(expected)}')
+        plan = []
+        for key, layer in self._linear:
+            flags = layers[key].get('has_previous_state') if isinstance(layers[key], dict) else 0
+            if not (isinstance(flags, list) and len(flags) == layer.number_of_states
+                    and all(isinstance(f, bool) for f in flags)):
+                raise ValueError(f'layer {key} needs {layer.number_of_states} state flags')
+            plan.append((layer, dict(enumerate(flags)), None))
+        for key, layer in self._sliding:
+            length = layers[key].get('cumulative_length_int') if isinstance(
+                layers[key], dict) else None
+            if type(length) is not int or not 0 <= length <= self.max_len:
+                raise ValueError(f'layer {key} needs a length in [0, {self.max_len}]')
+            plan.append((layer, None, length))
         if len(self._imports) >= 64:
             self._imports.clear()
         self._imports[id(meta)] = (meta, plan)
@@ -325,6 +331,7 @@ class BindingDelegate:
     """The state contract of an adapter whose state is a CacheBinding at `self.binding`."""
 
     binding: CacheBinding
+    meta_read_only = True  # CacheBinding reads a meta into a cached plan, never changes it
 
     def bind(self, views: dict[str, torch.Tensor]) -> None:
         self.binding.bind(views)

@@ -45,7 +45,9 @@ Extension point - your own torch policy. Any nn.Module with these methods can be
             # observations [T, obs_dim] (steps position .. position+T-1) -> actions
             # [horizon, action_dim] for the last one; draw any noise from `generator`.
         # Optional: export_meta() -> dict, import_meta(dict), reset_meta() for state that is
-        # not in tensors (JSON-able; it travels in every capsule).
+        # not in tensors (JSON-able; it travels in every capsule; import_meta gets a copy it
+        # may keep), and check_meta(dict) raising ValueError for a capsule's meta that
+        # import_meta could not take (called before a restore writes anything).
 
     The arena starts zeroed and reset() zeroes it again: zero must mean "no state yet" for
     every declared buffer. Serve it from Python:
@@ -225,13 +227,16 @@ class ModulePolicyAdapter(PolicyAdapter):
         meta.setdefault('layers', {})  # the runtime checks every capsule's meta for this key
         return meta
 
+    @property
+    def meta_read_only(self) -> bool:
+        """Whether the module's meta hooks are the cache binding's own (which only read)."""
+        cls = type(self.module)
+        return all(getattr(cls, hook, None) in (None, getattr(BindingDelegate, hook))
+                   for hook in ('import_meta', 'check_meta'))
+
     def import_meta(self, meta: dict[str, Any]) -> None:
-        if isinstance(self.module, BindingDelegate):  # ours: reads the capsule's meta only
+        if hasattr(self.module, 'import_meta'):
             self.module.import_meta(meta)
-        elif hasattr(self.module, 'import_meta'):
-            # A copy: a module may keep and update what it is given, and the capsule's own
-            # meta must stay as it was taken (later restores, its JSON on disk).
-            self.module.import_meta(json.loads(json.dumps(meta)))
 
     def check_meta(self, meta: dict[str, Any]) -> None:
         if hasattr(self.module, 'check_meta'):
