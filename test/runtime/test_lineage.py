@@ -153,9 +153,13 @@ def _policy_pair(make_runtime, tmp_path, module):
     return out
 
 
-def test_full_restore_after_kv_only_is_the_snapshot_again(make_runtime, tmp_path):
-    """kv_only leaves a row-block 'recurrent' tensor; rows past the position still end zero."""
-    rt = _policy_pair(make_runtime, tmp_path, lambda: _Frames(kind='recurrent'))[0]
+@pytest.mark.parametrize('max_steps', [128, 256])  # in the row block / in the head
+def test_full_restore_after_kv_only_is_the_snapshot_again(make_runtime, max_steps):
+    """kv_only leaves a 'recurrent' sequence tensor; its rows past the position end zero."""
+    torch.manual_seed(0)
+    adapter = ModulePolicyAdapter(_Frames(kind='recurrent'), PolicySpec(3, 2, 4), max_steps)
+    rt = make_runtime(model='custom', max_seq_len=128, adapter=adapter)
+    assert (rt.arena.entry('frames').strides is None) == (max_steps != 128)
     for i in range(3):
         rt.act([i + 1.0, 0.0, 0.0])
     rt.snapshot('b')
