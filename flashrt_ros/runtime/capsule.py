@@ -219,7 +219,7 @@ class BlobPool:
 
     def __init__(self, idle_limit: int):
         self.idle_limit = idle_limit
-        self._idle: collections.deque[torch.Tensor] = collections.deque()
+        self._idle: collections.deque[tuple[int, torch.Tensor]] = collections.deque()  # sized
         self._idle_bytes = 0
         # Buffers come back from finalizers, which run wherever a capsule's last reference
         # drops, a garbage collection inside take() included: they append here (atomic)
@@ -232,11 +232,11 @@ class BlobPool:
         buf = None
         with self._lock:
             self._collect()
-            fits = [(b.numel(), i) for i, b in enumerate(self._idle)
-                    if nbytes <= b.numel() <= nbytes + nbytes // 8]
+            fits = [(size, i) for i, (size, _) in enumerate(self._idle)
+                    if nbytes <= size <= nbytes + nbytes // 8]
             if fits:
                 size, i = min(fits)
-                buf = self._idle[i]
+                buf = self._idle[i][1]
                 del self._idle[i]
                 self._idle_bytes -= size
                 if not _unshared(buf):  # a view outlived its capsule: leave the memory to it
@@ -259,10 +259,10 @@ class BlobPool:
         """Move returned buffers to the idle list; drop the oldest beyond the limit (locked)."""
         while self._returned:
             buf = self._returned.popleft()
-            self._idle.append(buf)
+            self._idle.append((buf.numel(), buf))
             self._idle_bytes += buf.numel()
         while self._idle_bytes > self.idle_limit:
-            self._idle_bytes -= self._idle.popleft().numel()
+            self._idle_bytes -= self._idle.popleft()[0]
 
     @property
     def idle_bytes(self) -> int:

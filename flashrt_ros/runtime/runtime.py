@@ -292,13 +292,12 @@ class Runtime:
                 'queue need a policy model (e.g. builtin:tiny-policy)'
             )
 
-    def _meta(self, rng: torch.Tensor | None = None) -> dict:
-        rng = self.generator.get_state() if rng is None else rng
+    def _meta(self) -> dict:
         return {
             'position': self.position,
             'pending': self._pending,
             'adapter': self.adapter.export_meta(),
-            'rng': bytes(rng.numpy()).hex(),
+            'rng': bytes(self.generator.get_state().numpy()).hex(),
         }
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
@@ -313,11 +312,14 @@ class Runtime:
         if tier != 'device' and self.device.type != 'cpu':  # on a CPU runtime: host memory now
             blob = move_blob(blob, 'host', self.device)
         rng = self.generator.get_state()
-        meta = self._meta(rng)
-        # The adapter's part goes through JSON now: a custom adapter may export live
-        # objects, which must not leak into the capsule. The capsule's JSON is built when
-        # something needs it (a disk write, a checksum), not on every snapshot and commit.
-        meta['adapter'] = json.loads(json.dumps(meta['adapter'], sort_keys=True))
+        meta = {'position': self.position, 'pending': self._pending,
+                'adapter': self.adapter.export_meta()}
+        if not self.adapter.meta_trusted:
+            # Through JSON now: a custom adapter may export live objects, which must not
+            # leak into the capsule (and what cannot be written should fail here).
+            meta['adapter'] = json.loads(json.dumps(meta['adapter'], sort_keys=True))
+        # The capsule's JSON is built when something needs it (a disk write, a checksum),
+        # not on every snapshot and commit.
         cap = Capsule(
             name=name,
             tier=tier,
@@ -326,7 +328,8 @@ class Runtime:
             manifest=self.arena.manifest,
             fingerprint=self.fingerprint,
             position=self.position,
-            meta_json=lambda: json.dumps(meta, sort_keys=True),
+            meta_json=lambda: json.dumps(dict(meta, rng=bytes(rng.numpy()).hex()),
+                                         sort_keys=True),
             components=self._components,
             pinned=pinned,
             epoch=self.arena.epoch,
@@ -386,7 +389,7 @@ class Runtime:
 
     def _adapter_meta(self, meta: dict) -> dict:
         """Return a capsule's adapter meta as the adapter may have it: its own, or a copy."""
-        return meta if self.adapter.meta_read_only else json.loads(json.dumps(meta))
+        return meta if self.adapter.meta_trusted else json.loads(json.dumps(meta))
 
     def _apply(
         self, cap: Capsule, meta: dict, kinds: set[str] | None = None

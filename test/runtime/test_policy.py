@@ -242,14 +242,14 @@ def test_a_module_that_keeps_its_meta_cannot_change_a_capsule(make_runtime):
 
 def test_only_the_cache_bindings_own_meta_hooks_get_a_capsules_meta_itself(make_runtime):
     spec = PolicySpec(3, 2, 4)
-    assert ModulePolicyAdapter(GRUPolicy(), spec, max_steps=128).meta_read_only  # no hooks
-    assert not ModulePolicyAdapter(Counter(), spec, max_steps=128).meta_read_only
+    assert ModulePolicyAdapter(GRUPolicy(), spec, max_steps=128).meta_trusted  # no hooks
+    assert not ModulePolicyAdapter(Counter(), spec, max_steps=128).meta_trusted
     adapter = make_runtime(POLICY).adapter
-    assert adapter.meta_read_only  # the built-in backbone policy: its binding only reads
+    assert adapter.meta_trusted  # the built-in backbone policy: its binding only reads
     cls = type(adapter.module)
     adapter.module.__class__ = type('Extended', (cls,), {
         'import_meta': lambda self, meta: cls.import_meta(self, meta)})
-    assert not adapter.meta_read_only  # a subclass's own import_meta may keep what it gets
+    assert not adapter.meta_trusted  # a subclass's own import_meta may keep what it gets
 
 
 class GradPlanner(torch.nn.Module):

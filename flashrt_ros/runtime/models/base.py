@@ -36,9 +36,10 @@ class StateAdapter(ABC):
     family: str = 'unknown'
     device: torch.device
     dtype: torch.dtype
-    # True when import_meta and check_meta only read their argument (never keep or change
-    # it): the runtime then hands over a capsule's own meta; otherwise a copy of it.
-    meta_read_only: bool = False
+    # True when export_meta returns fresh JSON data and import_meta and check_meta only
+    # read their argument (never keep or change it): the runtime then skips the copies that
+    # keep a capsule's meta apart from the adapter's objects.
+    meta_trusted: bool = False
 
     @abstractmethod
     def state_specs(self) -> list[StateSpec]:

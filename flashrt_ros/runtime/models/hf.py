@@ -331,7 +331,7 @@ class BindingDelegate:
     """The state contract of an adapter whose state is a CacheBinding at `self.binding`."""
 
     binding: CacheBinding
-    meta_read_only = True  # CacheBinding reads a meta into a cached plan, never changes it
+    meta_trusted = True  # CacheBinding exports plain new dicts, reads a meta into a plan
 
     def bind(self, views: dict[str, torch.Tensor]) -> None:
         self.binding.bind(views)

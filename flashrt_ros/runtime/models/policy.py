@@ -228,11 +228,11 @@ class ModulePolicyAdapter(PolicyAdapter):
         return meta
 
     @property
-    def meta_read_only(self) -> bool:
-        """Whether the module's meta hooks are the cache binding's own (which only read)."""
+    def meta_trusted(self) -> bool:
+        """Whether the module's meta hooks are the cache binding's own (or absent)."""
         cls = type(self.module)
         return all(getattr(cls, hook, None) in (None, getattr(BindingDelegate, hook))
-                   for hook in ('import_meta', 'check_meta'))
+                   for hook in ('export_meta', 'import_meta', 'check_meta'))
 
     def import_meta(self, meta: dict[str, Any]) -> None:
         if hasattr(self.module, 'import_meta'):
