@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import hashlib
 import itertools
 import json
+import math
 import sys
 from typing import Iterable, Sequence
 
@@ -74,13 +75,6 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 def _align(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
-
-
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for s in shape:
-        count *= s
-    return count
 
 
 @dataclass(frozen=True)
@@ -163,7 +157,7 @@ def typed_view(
     buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: Sequence[int]
 ) -> torch.Tensor:
     """View buf[offset:] (a flat uint8 tensor) as dtype/shape; shares memory."""
-    nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     return buf[offset:offset + nbytes].view(dtype).view(tuple(shape))
 
 
@@ -209,7 +203,7 @@ class StateArena:
         entries, offset = {}, 0
         for s in specs:
             if not in_rows(s):
-                nbytes = _numel(s.shape) * torch.empty((), dtype=s.dtype).element_size()
+                nbytes = math.prod(s.shape) * s.dtype.itemsize
                 entries[s.name] = ManifestEntry(s.name, s.kind, dtype_name(s.dtype),
                                                 tuple(s.shape), offset, nbytes, s.seq_dim)
                 offset = _align(offset + nbytes, align)
@@ -218,17 +212,17 @@ class StateArena:
         for s in specs:
             if in_rows(s):
                 slots.append((s, row))
-                step = _numel(s.shape) // self.rows * torch.empty((), dtype=s.dtype).element_size()
+                step = math.prod(s.shape) // self.rows * s.dtype.itemsize
                 row = _align(row + step, SLOT_ALIGN)
         self.row_nbytes = row
         for s, slot in slots:
-            size = torch.empty((), dtype=s.dtype).element_size()
+            size = s.dtype.itemsize
             inner = list(s.shape[:s.seq_dim]) + list(s.shape[s.seq_dim + 1:])
-            strides = [_numel(inner[i + 1:]) for i in range(len(inner))]
+            strides = [math.prod(inner[i + 1:]) for i in range(len(inner))]
             strides.insert(s.seq_dim, row // size)
             entries[s.name] = ManifestEntry(
                 s.name, s.kind, dtype_name(s.dtype), tuple(s.shape), offset + slot,
-                _numel(s.shape) * size, s.seq_dim, tuple(strides))
+                math.prod(s.shape) * size, s.seq_dim, tuple(strides))
         self.manifest: tuple[ManifestEntry, ...] = tuple(entries[s.name] for s in specs)
         self.nbytes = max(_align(self.prefix_nbytes(self.rows), align), align)
         # The single allocation. Zero-filled: zero is the "no state yet" value of every component.

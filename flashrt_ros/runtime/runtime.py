@@ -293,11 +293,11 @@ class Runtime:
             )
 
     def _meta(self) -> dict:
+        """Return the live non-tensor state but the sampler's, as a capsule keeps it."""
         return {
             'position': self.position,
             'pending': self._pending,
-            'adapter': self.adapter.export_meta(),
-            'rng': bytes(self.generator.get_state().numpy()).hex(),
+            'adapter': self._adapter_meta(self.adapter.export_meta()),
         }
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
@@ -312,14 +312,11 @@ class Runtime:
         if tier != 'device' and self.device.type != 'cpu':  # on a CPU runtime: host memory now
             blob = move_blob(blob, 'host', self.device)
         rng = self.generator.get_state()
-        meta = {'position': self.position, 'pending': self._pending,
-                'adapter': self.adapter.export_meta()}
-        if not self.adapter.meta_trusted:
-            # Through JSON now: a custom adapter may export live objects, which must not
-            # leak into the capsule (and what cannot be written should fail here).
-            meta['adapter'] = json.loads(json.dumps(meta['adapter'], sort_keys=True))
-        # The capsule's JSON is built when something needs it (a disk write, a checksum),
-        # not on every snapshot and commit.
+        # A custom adapter's meta goes through JSON now (_adapter_meta): it may export live
+        # objects, which must not leak into the capsule, and what cannot be written should
+        # fail here. The capsule's JSON is built when something needs it (a disk write, a
+        # checksum), not on every snapshot and commit.
+        meta = self._meta()
         cap = Capsule(
             name=name,
             tier=tier,
@@ -1027,7 +1024,8 @@ class Runtime:
             self._check_open()
             h = hashlib.sha256()
             self.arena.digest(h)
-            h.update(json.dumps(self._meta(), sort_keys=True).encode())
+            rng = bytes(self.generator.get_state().numpy()).hex()
+            h.update(json.dumps(dict(self._meta(), rng=rng), sort_keys=True).encode())
             return h.hexdigest()
 
     def stats(self) -> dict:

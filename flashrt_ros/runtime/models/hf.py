@@ -267,16 +267,17 @@ class CacheBinding:
         if not isinstance(layers, dict) or set(layers) != expected:
             raise ValueError(f'layer meta names layers {sorted(layers or ())}, this model has '
                              f'{sorted(expected)}')
+        if not all(isinstance(d, dict) for d in layers.values()):
+            raise ValueError('layer meta entries must be objects')
         plan = []
         for key, layer in self._linear:
-            flags = layers[key].get('has_previous_state') if isinstance(layers[key], dict) else 0
+            flags = layers[key].get('has_previous_state')
             if not (isinstance(flags, list) and len(flags) == layer.number_of_states
                     and all(isinstance(f, bool) for f in flags)):
                 raise ValueError(f'layer {key} needs {layer.number_of_states} state flags')
             plan.append((layer, dict(enumerate(flags)), None))
         for key, layer in self._sliding:
-            length = layers[key].get('cumulative_length_int') if isinstance(
-                layers[key], dict) else None
+            length = layers[key].get('cumulative_length_int')
             if type(length) is not int or not 0 <= length <= self.max_len:
                 raise ValueError(f'layer {key} needs a length in [0, {self.max_len}]')
             plan.append((layer, None, length))
