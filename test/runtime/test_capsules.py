@@ -121,13 +121,18 @@ def _damage_truncate(path):
     path.write_bytes(data[: len(data) // 2])
 
 
-@pytest.mark.parametrize('damage', [_damage_flip, _damage_header, _damage_truncate])
-def test_damaged_disk_capsule_is_refused_and_state_untouched(make_runtime, damage):
+def _moved_on_from_disk_capsule(make_runtime):
+    """Return a runtime with disk capsule 'c' of an older state, and the live digest."""
     rt = make_runtime()
     rt.prefill(PROMPT)
     rt.snapshot('c', tier='disk')
     greedy(rt, 4, prompt=OTHER_PROMPT)
-    live = rt.state_digest()
+    return rt, rt.state_digest()
+
+
+@pytest.mark.parametrize('damage', [_damage_flip, _damage_header, _damage_truncate])
+def test_damaged_disk_capsule_is_refused_and_state_untouched(make_runtime, damage):
+    rt, live = _moved_on_from_disk_capsule(make_runtime)
     damage(_disk_file(rt, 'c'))
     with pytest.raises(CorruptCapsuleError, match='delete'):
         rt.restore('c')
@@ -186,11 +191,7 @@ _invalid_sampler_state = _meta_edit(lambda m: m.update(rng='00' * (len(m['rng'])
     _unknown_layer, _other_position, _meta_edit(_rename_first_layer), _drop_a_layer,
     _flags_of_ints, _pending_out_of_vocab, _invalid_sampler_state])
 def test_disk_capsule_that_does_not_fit_is_refused_before_any_write(make_runtime, edit):
-    rt = make_runtime()
-    rt.prefill(PROMPT)
-    rt.snapshot('c', tier='disk')
-    greedy(rt, 4, prompt=OTHER_PROMPT)
-    live = rt.state_digest()
+    rt, live = _moved_on_from_disk_capsule(make_runtime)
     _resign(_disk_file(rt, 'c'), edit)
     with pytest.raises(CorruptCapsuleError, match='delete'):
         rt.restore('c')
