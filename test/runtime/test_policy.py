@@ -209,7 +209,7 @@ class Counter(GRUPolicy):
 
     def __init__(self):
         super().__init__()
-        self.meta = {'steps': 0}
+        self.meta = {'count': {'steps': 0}}  # nested: a shallow copy shares it
 
     def export_meta(self):
         return self.meta
@@ -218,10 +218,10 @@ class Counter(GRUPolicy):
         self.meta = meta
 
     def reset_meta(self):
-        self.meta = {'steps': 0}
+        self.meta = {'count': {'steps': 0}}
 
     def forward(self, observations, position, generator):
-        self.meta['steps'] += len(observations)
+        self.meta['count']['steps'] += len(observations)
         return super().forward(observations, position, generator)
 
 
@@ -231,13 +231,15 @@ def test_a_module_that_keeps_its_meta_cannot_change_a_capsule(make_runtime):
     rt = make_runtime('user:counter', adapter=adapter)
     rt.act([0.1, 0.2, 0.3])
     rt.snapshot('a', 'host')
+    rt.act([0.0, 0.0, 0.0])  # updates the dict the module exported to the snapshot
     rt.restore('a')
+    assert adapter.module.meta['count']['steps'] == 1
     for _ in range(5):
         rt.act([0.0, 0.0, 0.0])  # updates the dict the restore handed over
     rt.fork('a', 'a-disk', tier='disk')
-    assert json.loads(rt.store.get('a-disk').meta_json)['adapter']['steps'] == 1
+    assert json.loads(rt.store.get('a-disk').meta_json)['adapter']['count']['steps'] == 1
     rt.restore('a')
-    assert adapter.module.meta['steps'] == 1
+    assert adapter.module.meta['count']['steps'] == 1
 
 
 def test_only_the_cache_bindings_own_meta_hooks_get_a_capsules_meta_itself(make_runtime):
