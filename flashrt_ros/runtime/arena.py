@@ -34,6 +34,7 @@ copied whole.
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 import hashlib
 import itertools
@@ -232,6 +233,9 @@ class StateArena:
         self.seq_kinds = {e.kind for e in self.manifest if e.strides is not None}  # row block
         self.epoch = next(_EPOCHS)  # changes whenever a row before the live position is rewritten
         self._parents: dict[int, tuple[int, int]] = {}  # epoch -> (parent epoch, rows shared)
+        # Their keys, oldest first: dropping a dict's first key by iterating would scan the
+        # deleted slots before it, which the interrupt path pays on every restore.
+        self._links: collections.deque[int] = collections.deque()
         self._words = _words(self.storage)
         layout = {'align': align, 'rows': self.rows, 'row_nbytes': self.row_nbytes,
                   'entries': [e.to_json() for e in self.manifest]}
@@ -279,9 +283,10 @@ class StateArena:
         """
         self.epoch = next(_EPOCHS)
         if parent is not None and rows > 0:
-            if len(self._parents) >= LINEAGE_LINKS:
-                del self._parents[next(iter(self._parents))]  # the oldest link
+            if len(self._links) >= LINEAGE_LINKS:
+                del self._parents[self._links.popleft()]
             self._parents[self.epoch] = (parent, rows)
+            self._links.append(self.epoch)
 
     def rows_shared(self, epoch: int | None) -> int:
         """

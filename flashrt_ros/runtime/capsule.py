@@ -163,7 +163,8 @@ class Capsule:
         return _checksum(self.blob, json.dumps(self.header(), sort_keys=True))
 
     def info(self, latency_s: float = 0.0, tier: str | None = None) -> CapsuleInfo:
-        return CapsuleInfo(
+        # tuple.__new__ skips the named tuple's Python-level __new__ (every restore ends here)
+        return tuple.__new__(CapsuleInfo, (
             self.name,
             tier or self.tier,
             self.nbytes,
@@ -174,7 +175,7 @@ class Capsule:
             self.components,
             self.pinned,
             latency_s,
-        )
+        ))
 
     def with_blob(self, name: str, tier: str, blob: torch.Tensor) -> 'Capsule':
         """Copy this capsule's identity around another blob (fork, tier moves)."""
@@ -388,7 +389,13 @@ class CapsuleStore:
 
     def get(self, name: str) -> Capsule:
         """Return the capsule with its blob in memory; disk ones are read and verified."""
-        return self._lookup(name, header_only=False)
+        # A memory capsule needs no lock: the dict lookup is atomic, and a capsule deleted
+        # meanwhile stays whole for whoever holds it. A stored name is a valid one.
+        cap = self._mem.get(name) if isinstance(name, str) else None
+        if cap is None:
+            return self._lookup(name, header_only=False)
+        cap.last_used = time.monotonic()  # the memory tiers' LRU clock
+        return cap
 
     def peek(self, name: str) -> Capsule:
         """Like get, but a disk capsule comes back header-only (blob None, not verified)."""

@@ -189,6 +189,7 @@ class Runtime:
         if self.device.type == 'cuda' and self.device.index is None:
             # With the index, tensors' devices compare equal to it (e.g. a device capsule's).
             self.device = torch.device('cuda', torch.cuda.current_device())
+        self._cuda = self.device.type == 'cuda'
         self.dtype = _DTYPES[config.dtype]
         self._lock = threading.RLock()
         self._interrupt = threading.Event()
@@ -242,6 +243,8 @@ class Runtime:
         self._ring: collections.deque[Capsule] = collections.deque(
             maxlen=max(config.rollback_depth, 1)
         )
+        # Boundaries that left the ring, freed by the next capture (see _push).
+        self._retired: list[Capsule] = []
         self._restore_times: collections.deque[float] = collections.deque(maxlen=1000)
         self._last_restore_s = 0.0
         self._last_restore_copied = 0
@@ -308,6 +311,7 @@ class Runtime:
 
     def _capture(self, name: str, tier: str, pinned: bool = False) -> Capsule:
         """Copy the live state into a new capsule (not yet stored)."""
+        self._retired.clear()  # before the allocation below, which may reuse their memory
         blob, packing = self.arena.pack(self.position, self._alloc)  # a new blob, one copy
         if tier != 'device' and self.device.type != 'cpu':  # on a CPU runtime: host memory now
             blob = move_blob(blob, 'host', self.device)
@@ -338,6 +342,9 @@ class Runtime:
 
     def _check_capsule(self, cap: Capsule) -> dict:
         """Everything that could make a restore fail, checked before the first byte is written."""
+        meta = cap.restore_cache.get('meta')
+        if meta is not None:  # checked once (or captured here): a capsule is immutable
+            return meta
         if cap.fingerprint != self.fingerprint or cap.manifest != self.arena.manifest:
             raise FingerprintMismatchError(
                 f'capsule {cap.name!r} was taken from a different model, dtype or max_seq_len '
@@ -348,8 +355,6 @@ class Runtime:
             raise CorruptCapsuleError(
                 f'capsule {cap.name!r} has no state bytes of the expected size; delete it'
             )
-        if 'meta' in cap.restore_cache:  # a capsule is immutable: parse and check its meta once
-            return cap.restore_cache['meta']
         try:
             meta = json.loads(cap.meta_json)
             position = int(meta['position'])
@@ -400,16 +405,16 @@ class Runtime:
         # The sequence rows the live state already shares with the capsule (same lineage,
         # e.g. back to a checkpoint taken moments ago) are not copied again.
         skip = self.arena.rows_shared(cap.epoch) >= cap.position
-        blob = cap.blob
-        if blob.device != self.device:  # pinned host -> device DMA, of the head only if that
-            if skip and kinds is None:  # is all the restore copies
-                blob = blob[:self.arena.head_nbytes]
-            blob = blob.to(self.device, non_blocking=True)
-        pair = None
-        if kinds is None:
-            key = 'head' if skip else 'prefix'
-            pair = cap.restore_cache.get(key) if blob is cap.blob else None
-            if pair is None:
+        key = 'head' if skip else 'prefix'
+        pair = cap.restore_cache.get(key) if kinds is None else None
+        blob = cap.blob  # a cached pair is a view of it, on this device
+        if pair is None:
+            if blob.device != self.device:  # pinned host -> device DMA, of the head only if
+                self._retired.clear()  # that is all the restore copies; it allocates
+                if skip and kinds is None:
+                    blob = blob[:self.arena.head_nbytes]
+                blob = blob.to(self.device, non_blocking=True)
+            if kinds is None:
                 pair = self.arena.copy_pair(blob, cap.packing, skip)
                 if blob is cap.blob:  # views of an immutable blob: kept for the next restore
                     cap.restore_cache[key] = pair
@@ -425,7 +430,26 @@ class Runtime:
     def _commit(self) -> None:
         """Mark the live state as a committed boundary (push it on the rollback ring)."""
         if self.config.rollback_depth > 0:
-            self._ring.append(self._capture(f'@boundary-{self.position}', 'device'))
+            self._push(self._capture(f'@boundary-{self.position}', 'device'))
+
+    def _push(self, entry: Capsule) -> None:
+        """
+        Push a boundary on the rollback ring.
+
+        The entry that falls off is retired, not dropped: the last reference to a capsule
+        costs its teardown (its views, the pooled blob's return: ~10-25 us on a CPU), which a
+        restore, the interrupt path, should not pay. The next capture frees the retired
+        entries before it allocates (so their memory is reused at once); until then at most
+        one ring's worth is kept, which the ring held anyway.
+        """
+        if len(self._ring) == self._ring.maxlen:
+            self._retire(self._ring[0])
+        self._ring.append(entry)
+
+    def _retire(self, entry: Capsule) -> None:
+        self._retired.append(entry)
+        if len(self._retired) > self._ring.maxlen:
+            del self._retired[0]
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         self._require_mode(policy=False)
@@ -550,6 +574,7 @@ class Runtime:
                 self._finish(self._active, 'interrupted')
             self._closed = True
             self._ring.clear()
+            self._retired.clear()
             self.store.drop_memory_tiers()
             if self._pool is not None:
                 self._pool.clear()
@@ -880,12 +905,11 @@ class Runtime:
         of raising BusyError (see Preemption above); the capsule is fetched and checked
         before anything is stopped, so a bad one leaves the generation running.
         """
-        validate_name(name)
-        if mode not in ('full', 'kv_only'):
+        t0 = time.perf_counter()
+        if mode != 'full' and mode != 'kv_only':
             raise InvalidRequestError(
                 f"restore mode {mode!r} is not valid; use 'full' or 'kv_only'"
             )
-        t0 = time.perf_counter()
         if preempt:
             if mode != 'full':
                 raise InvalidRequestError('preempt needs a full restore (mode kv_only would '
@@ -896,11 +920,13 @@ class Runtime:
         with self._lock:
             self._check_idle()
             cap = self.store.get(name)
-            return self._restore_checked(cap, meta=self._check_capsule(cap), mode=mode, t0=t0)
+            return self._restore_checked(cap, self._check_capsule(cap), mode, t0, opened=True)
 
-    def _restore_checked(self, cap: Capsule, meta: dict, mode: str, t0: float) -> CapsuleInfo:
+    def _restore_checked(self, cap: Capsule, meta: dict, mode: str, t0: float,
+                         opened: bool = False) -> CapsuleInfo:
         """Apply a checked capsule, push the boundary, time it (lock held)."""
-        self._check_open()
+        if not opened:
+            self._check_open()
         kinds = None if mode == 'full' else set(self.arena.kinds) - KV_ONLY_SKIPS
         blob = self._apply(cap, meta, kinds)
         if self.config.rollback_depth > 0:
@@ -920,8 +946,8 @@ class Runtime:
                 entry.epoch = self.arena.epoch  # the live state as the restore left it
             else:
                 entry = self._capture(f'@boundary-{self.position}', 'device')
-            self._ring.append(entry)
-        if self.device.type == 'cuda':
+            self._push(entry)
+        if self._cuda:
             torch.cuda.synchronize(self.device)  # the info's latency covers the copy itself
         dt = time.perf_counter() - t0
         self._last_restore_s = dt
@@ -981,7 +1007,7 @@ class Runtime:
         meta = self._check_capsule(target)
         self._apply(target, meta)
         for _ in range(skip):
-            self._ring.pop()
+            self._retire(self._ring.pop())
         dt = time.perf_counter() - t0
         info = target.info(dt)
         return CapsuleInfo(

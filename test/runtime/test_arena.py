@@ -2,7 +2,7 @@
 
 import hashlib
 
-from flashrt_ros.runtime.arena import ALIGN, SLOT_ALIGN, StateArena, StateSpec
+from flashrt_ros.runtime.arena import ALIGN, LINEAGE_LINKS, SLOT_ALIGN, StateArena, StateSpec
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -194,3 +194,17 @@ def test_unpack_of_kinds_between_others_leaves_neighbours():
     assert torch.equal(arena.views['L1.L1.length'], length_then)
     for name, value in conv_now.items():
         assert torch.equal(arena.views[name], value)
+
+
+def test_lineage_keeps_the_newest_links_only():
+    arena = StateArena(_specs(), 'cpu')
+    first = arena.epoch
+    arena.begin_epoch(first, 4)
+    assert arena.rows_shared(first) == 4
+    epochs = []
+    for _ in range(LINEAGE_LINKS + 10):  # a restore of a capsule from the previous epoch each
+        epochs.append(arena.epoch)
+        arena.begin_epoch(arena.epoch, 3)
+    newest = (epochs + [arena.epoch])[-LINEAGE_LINKS:]
+    assert list(arena._parents) == newest  # bounded: the oldest links went first
+    assert arena.rows_shared(epochs[-1]) == 3 and arena.rows_shared(epochs[-20]) == 3

@@ -3,6 +3,7 @@
 import json
 import os
 import threading
+import weakref
 
 from conftest import greedy, OTHER_PROMPT, PROMPT
 from flashrt_ros.runtime import (
@@ -82,6 +83,32 @@ def test_rollback_undoes_a_restore(make_runtime):
     rt.restore('empty')
     rt.rollback(1)
     assert rt.state_digest() == digest
+
+
+def test_boundaries_the_ring_drops_are_freed_by_the_next_capture_not_by_a_restore(make_runtime):
+    rt = make_runtime(rollback_depth=2)
+    rt.prefill(PROMPT)
+    rt.snapshot('x')
+    rt.prefill('and')
+    rt.prefill('and')  # the ring: two boundaries captured by commits, held nowhere else
+    dropped = [weakref.ref(c) for c in rt._ring]
+    rt.restore('x')
+    rt.restore('x')  # each pushes 'x' itself and drops the oldest entry
+    assert all(ref() is not None for ref in dropped)  # kept: a restore pays no teardown
+    rt.snapshot('y')  # a capture frees them before it allocates
+    assert all(ref() is None for ref in dropped) and rt._retired == []
+    rt.prefill('and')
+    rt.prefill('and')
+    dropped = [weakref.ref(c) for c in rt._ring]
+    digest = rt.state_digest()
+    rt.prefill('and')
+    dropped.append(weakref.ref(rt._ring[-1]))
+    rt.rollback(1)  # the entry it pops is retired too
+    assert rt.state_digest() == digest and dropped[-1]() is not None
+    for _ in range(4):
+        rt.restore('x')
+    assert len(rt._retired) == 2  # at most one ring's worth: the oldest went on the way
+    assert all(ref() is None for ref in dropped)
 
 
 def test_disk_round_trip_across_runtimes(make_runtime):
