@@ -264,18 +264,18 @@ class FlashRTNode(LifecycleNode):
             handle_accepted_callback=self._handle_accepted_callback,
             cancel_callback=self._cancel_callback)
 
+        # A silent QoS mismatch on ~/interrupt would lose every interrupt: it is reported.
+        interrupt_events = SubscriptionEventCallbacks(
+            incompatible_qos=self._interrupt_qos_mismatch, use_default_callbacks=False)
         subscriptions = (
-            (String, '~/prompt', self._prompt_callback, COMMAND_QOS),
-            (Interrupt, '~/interrupt', self._interrupt_callback, INTERRUPT_QOS),
-            (Empty, '~/reset', self._reset_callback, COMMAND_QOS),
-            (JointState, '~/observation', self._joint_state_callback, OBSERVATION_QOS),
-            (Float32MultiArray, '~/observation_vector', self._vector_callback, OBSERVATION_QOS),
+            (String, '~/prompt', self._prompt_callback, COMMAND_QOS, None),
+            (Interrupt, '~/interrupt', self._interrupt_callback, INTERRUPT_QOS, interrupt_events),
+            (Empty, '~/reset', self._reset_callback, COMMAND_QOS, None),
+            (JointState, '~/observation', self._joint_state_callback, OBSERVATION_QOS, None),
+            (Float32MultiArray, '~/observation_vector', self._vector_callback, OBSERVATION_QOS,
+             None),
         )
-        for msg_type, topic, callback, qos in subscriptions:
-            events = None
-            if topic == '~/interrupt':  # a silent mismatch here would lose every interrupt
-                events = SubscriptionEventCallbacks(
-                    incompatible_qos=self._interrupt_qos_mismatch, use_default_callbacks=False)
+        for msg_type, topic, callback, qos, events in subscriptions:
             self.create_subscription(msg_type, topic, callback, qos, callback_group=state,
                                      event_callbacks=events)
         period = self.get_parameter('diagnostics_period').value
@@ -701,7 +701,8 @@ class FlashRTNode(LifecycleNode):
             response.success, response.message = False, self._not_active_message()
             return response
         try:
-            infos = self._runtime.list_capsules(request.tier or None)
+            unreadable = []
+            infos = self._runtime.list_capsules(request.tier or None, unreadable)
         except FlashRTError as exc:
             response.success, response.message = False, str(exc)
             return response
@@ -715,6 +716,11 @@ class FlashRTNode(LifecycleNode):
         response.success = True
         response.message = (f'{len(infos)} capsules ({tiers}); live position '
                             f'{self._runtime.position}; node {self._state_label()}')
+        if unreadable:
+            response.message += (
+                f'; {len(unreadable)} unreadable capsule files on disk, not listed '
+                f'({", ".join(unreadable[:5])}): restore one to see why, delete it to free '
+                'its space')
         return response
 
     def _digest_callback(self, request, response):

@@ -460,7 +460,9 @@ class CapsuleStore:
         if not found and not missing_ok:
             raise _not_found(name)
 
-    def infos(self, tier: str | None = None) -> list[CapsuleInfo]:
+    def infos(self, tier: str | None = None,
+              unreadable: list[str] | None = None) -> list[CapsuleInfo]:
+        """Infos of all capsules, oldest first; unreadable disk files are named in unreadable."""
         with self._lock:
             infos = [c.info() for c in self._mem.values()]
             for name, _, _ in self._disk_files():
@@ -468,8 +470,9 @@ class CapsuleStore:
                     continue
                 try:
                     infos.append(self._read_disk(name, self._path(name), header_only=True).info())
-                except CorruptCapsuleError:
-                    continue  # an unreadable file is reported when someone restores or verifies it
+                except CorruptCapsuleError:  # restore or verify says why
+                    if unreadable is not None:
+                        unreadable.append(name)
         return sorted(
             (i for i in infos if tier is None or i.tier == tier), key=lambda i: (i.created, i.name)
         )

@@ -1023,10 +1023,18 @@ class Runtime:
             dt,
         )
 
-    def list_capsules(self, tier: str | None = None) -> list[CapsuleInfo]:
+    def list_capsules(self, tier: str | None = None,
+                      unreadable: list[str] | None = None) -> list[CapsuleInfo]:
+        """
+        Capsules of every tier (or one), oldest first.
+
+        Disk files that cannot be read (damaged, or written by a release with another
+        capsule format) are not listed; pass a list as `unreadable` to get their names.
+        restore or verify_capsule says what is wrong with one, delete_capsule removes it.
+        """
         if tier is not None:
             validate_tier(tier)
-        return self.store.infos(tier)
+        return self.store.infos(tier, unreadable)
 
     def delete_capsule(self, name: str) -> CapsuleInfo:
         t0 = time.perf_counter()

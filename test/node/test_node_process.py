@@ -112,6 +112,21 @@ def test_fingerprint_mismatch(client, client_b, at_home, capsule_dir):
     assert client_b.delete_capsule('foreign').success
 
 
+def test_unreadable_capsule_file_is_named_in_the_listing(client, at_home, capsule_dir):
+    path = os.path.join(capsule_dir, 'old-release.safetensors')
+    with open(path, 'wb') as f:
+        f.write(b'not a capsule')
+    response = client.list_capsules()
+    assert response.success and 'old-release' not in {c.name for c in response.capsules}
+    assert '1 unreadable capsule files on disk' in response.message, response.message
+    assert 'old-release' in response.message
+    response = client.restore('old-release')
+    assert not response.success and 'delete it' in response.message, response.message
+    assert client.state_digest() == at_home
+    assert client.delete_capsule('old-release').success
+    assert 'unreadable' not in client.list_capsules().message
+
+
 def test_sigint_during_generation_exits_zero(client_b, node_b):
     if client_b.get_state() != 'active':
         assert client_b.change_state('activate', timeout=60.0)

@@ -166,6 +166,11 @@ def test_damaged_disk_capsule_is_refused_and_state_untouched(make_runtime, damag
     assert rt.state_digest() == live
     with pytest.raises(CorruptCapsuleError):
         rt.verify_capsule('c')
+    # A file whose header cannot be read is not listed, but named as unreadable.
+    unreadable = []
+    listed = {i.name for i in rt.list_capsules(unreadable=unreadable)}
+    header_reads = damage is not _damage_truncate  # (_damage_header hits the meta)
+    assert ('c' in listed, unreadable) == (header_reads, [] if header_reads else ['c'])
     # The error says "delete it", so deleting must work on a file that cannot be parsed.
     assert rt.delete_capsule('c').tier == 'disk'
     assert not _disk_file(rt, 'c').exists()
