@@ -1086,6 +1086,10 @@ class Runtime:
                 'count': len(ring),
                 'bytes_used': sum(c.nbytes for c in ring),
                 'depth': self.config.rollback_depth,
+                # Entries that left the ring, held until the next capture frees them (_push);
+                # some may still be named capsules or ring entries too.
+                'retired_count': len(self._retired),
+                'retired_bytes': sum(c.nbytes for c in self._retired),
             },
             'last_restore_s': self._last_restore_s,
             # Bytes the last restore/rollback copied: less than the capsule when the live

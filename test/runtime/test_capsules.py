@@ -95,8 +95,12 @@ def test_boundaries_the_ring_drops_are_freed_by_the_next_capture_not_by_a_restor
     rt.restore('x')
     rt.restore('x')  # each pushes 'x' itself and drops the oldest entry
     assert all(ref() is not None for ref in dropped)  # kept: a restore pays no teardown
+    retired = rt.stats()['rollback_ring']
+    assert retired['retired_count'] == 2
+    assert retired['retired_bytes'] == sum(ref().nbytes for ref in dropped)
     rt.snapshot('y')  # a capture frees them before it allocates
     assert all(ref() is None for ref in dropped) and rt._retired == []
+    assert rt.stats()['rollback_ring']['retired_bytes'] == 0
     rt.prefill('and')
     rt.prefill('and')
     dropped = [weakref.ref(c) for c in rt._ring]
