@@ -156,12 +156,12 @@ def fig1_snapshot_restore(rt, plan, log):
             nbytes = next(i.nbytes for i in rt.list_capsules(tier) if i.name == name)
             raw_snapshot, raw_restore, raw_what = _raw_copies(rt, tier, nbytes, plan)
             # Ours and the raw copies take turns, so a noisy neighbour hits both alike. Each
-            # snapshot makes a new capsule, so each round has a first restore (which builds
-            # the capsule's copy plan) and a repeated one (the interrupt/reset path). Both
+            # snapshot makes a new capsule, so each round has a first restore (which makes
+            # the views it copies from) and a repeated one (the interrupt/reset path). Both
             # find the live state in the capsule's lineage and skip the sequence rows it
             # already holds. The full restores run after the lineage was forgotten (as after
             # a restore from another branch or from disk) and copy every byte; the second
-            # one, with its copy plan built, is the one compared with the raw copy.
+            # one, with its views made, is the one compared with the raw copy.
             forget, restore = rt.arena.begin_epoch, lambda: rt.restore(name)
             snap, raw_snap, first, rest, _, _, _, full, raw_rest = sample_interleaved_s(
                 [lambda: rt.snapshot(name, tier), raw_snapshot, restore, restore, forget,

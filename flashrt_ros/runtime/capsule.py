@@ -387,6 +387,15 @@ class CapsuleStore:
             self._mem[capsule.name] = capsule
             return capsule
 
+    def check_name(self, name: Any) -> None:
+        """Raise InvalidNameError for a bad name (cheap for a stored one, which is valid)."""
+        if not (isinstance(name, str) and name in self._mem):
+            validate_name(name)
+
+    def memory_capsules(self) -> list[Capsule]:
+        with self._lock:
+            return list(self._mem.values())
+
     def get(self, name: str) -> Capsule:
         """Return the capsule with its blob in memory; disk ones are read and verified."""
         # A memory capsule needs no lock: the dict lookup is atomic, and a capsule deleted
@@ -452,12 +461,15 @@ class CapsuleStore:
             self._mem.clear()
 
     def _delete_locked(self, name: str, missing_ok: bool = False) -> None:
-        found = self._mem.pop(name, None) is not None
+        path = os.path.join(self.dir, name + _SUFFIX)
         try:  # every memory snapshot comes here: one syscall, no Path object
-            os.unlink(os.path.join(self.dir, name + _SUFFIX))
+            os.unlink(path)
             found = True
-        except (FileNotFoundError, IsADirectoryError):
-            pass
+        except OSError:
+            if os.path.isfile(path):  # there, and it cannot be removed: nothing was changed
+                raise
+            found = False  # no such file (or no capsule directory at all)
+        found = self._mem.pop(name, None) is not None or found
         if not found and not missing_ok:
             raise _not_found(name)
 
@@ -472,7 +484,7 @@ class CapsuleStore:
                 try:
                     infos.append(self._read_disk(name, self._path(name), header_only=True).info())
                 except CorruptCapsuleError:  # restore or verify says why
-                    if unreadable is not None:
+                    if unreadable is not None and self._path(name).is_file():  # not deleted
                         unreadable.append(name)
         return sorted(
             (i for i in infos if tier is None or i.tier == tier), key=lambda i: (i.created, i.name)

@@ -243,8 +243,10 @@ class Runtime:
         self._ring: collections.deque[Capsule] = collections.deque(
             maxlen=max(config.rollback_depth, 1)
         )
-        # Boundaries that left the ring, freed by the next capture (see _push).
-        self._retired: list[Capsule] = []
+        # Boundaries that left the ring, freed by the next capture (see _push). A deque with
+        # maxlen: appending, dropping the oldest and clearing are each atomic, so threads
+        # outside the step lock (delete_capsule, fork) may clear it.
+        self._retired: collections.deque[Capsule] = collections.deque(maxlen=self._ring.maxlen)
         self._restore_times: collections.deque[float] = collections.deque(maxlen=1000)
         self._last_restore_s = 0.0
         self._last_restore_copied = 0
@@ -438,18 +440,15 @@ class Runtime:
 
         The entry that falls off is retired, not dropped: the last reference to a capsule
         costs its teardown (its views, the pooled blob's return: ~10-25 us on a CPU), which a
-        restore, the interrupt path, should not pay. The next capture frees the retired
-        entries before it allocates (so their memory is reused at once); until then at most
-        one ring's worth is kept, which the ring held anyway.
+        restore of a device capsule, the interrupt path, should not pay. What frees the
+        retired entries: the next capture, before it allocates (so their memory is reused at
+        once), a transfer from another tier, delete_capsule and fork. Between those only
+        restores and rollbacks run, which put stored capsules on the ring, so the ring and
+        the retired entries together hold at most one more private state than the ring did.
         """
         if len(self._ring) == self._ring.maxlen:
-            self._retire(self._ring[0])
+            self._retired.append(self._ring[0])  # full: drops (frees) the oldest retired one
         self._ring.append(entry)
-
-    def _retire(self, entry: Capsule) -> None:
-        self._retired.append(entry)
-        if len(self._retired) > self._ring.maxlen:
-            del self._retired[0]
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         self._require_mode(policy=False)
@@ -906,6 +905,7 @@ class Runtime:
         before anything is stopped, so a bad one leaves the generation running.
         """
         t0 = time.perf_counter()
+        self.store.check_name(name)  # a bad name fails at once, not after a running step
         if mode != 'full' and mode != 'kv_only':
             raise InvalidRequestError(
                 f"restore mode {mode!r} is not valid; use 'full' or 'kv_only'"
@@ -963,6 +963,7 @@ class Runtime:
         t0 = time.perf_counter()
         cap = self.store.get(source)
         tier = validate_tier(tier or cap.tier)
+        self._retired.clear()  # it allocates: free what the ring dropped first
         blob = move_blob(cap.blob, 'device' if tier == 'device' else 'host', self.device,
                          None if self._pool is None else self._pool.take)  # CPU: one memory
         new = cap.with_blob(target, tier, blob)
@@ -1007,7 +1008,7 @@ class Runtime:
         meta = self._check_capsule(target)
         self._apply(target, meta)
         for _ in range(skip):
-            self._retire(self._ring.pop())
+            self._retired.append(self._ring.pop())
         dt = time.perf_counter() - t0
         info = target.info(dt)
         return CapsuleInfo(
@@ -1039,6 +1040,7 @@ class Runtime:
     def delete_capsule(self, name: str) -> CapsuleInfo:
         t0 = time.perf_counter()
         info = self.store.delete(name)
+        self._retired.clear()  # a deleted capsule may be all that kept them shared
         return info._replace(latency_s=time.perf_counter() - t0)
 
     def drain_evictions(self) -> list[CapsuleInfo]:
@@ -1061,6 +1063,15 @@ class Runtime:
             rng = bytes(self.generator.get_state().numpy()).hex()
             h.update(json.dumps(dict(self._meta(), rng=rng), sort_keys=True).encode())
             return h.hexdigest()
+
+    def _retired_bytes(self) -> int:
+        """Bytes the retired ring entries alone keep: what the next capture frees."""
+        retired = list(self._retired)
+        held = {c.blob.data_ptr() for c in [*self._ring, *self.store.memory_capsules()]
+                if c.blob is not None}
+        waiting = {c.blob.data_ptr(): c.nbytes for c in retired
+                   if c.blob is not None and c.blob.data_ptr() not in held}
+        return sum(waiting.values())
 
     def stats(self) -> dict:
         times = sorted(self._restore_times)
@@ -1089,7 +1100,7 @@ class Runtime:
                 # Entries that left the ring, held until the next capture frees them (_push);
                 # some may still be named capsules or ring entries too.
                 'retired_count': len(self._retired),
-                'retired_bytes': sum(c.nbytes for c in self._retired),
+                'retired_bytes': self._retired_bytes(),
             },
             'last_restore_s': self._last_restore_s,
             # Bytes the last restore/rollback copied: less than the capsule when the live

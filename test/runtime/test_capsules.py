@@ -99,7 +99,7 @@ def test_boundaries_the_ring_drops_are_freed_by_the_next_capture_not_by_a_restor
     assert retired['retired_count'] == 2
     assert retired['retired_bytes'] == sum(ref().nbytes for ref in dropped)
     rt.snapshot('y')  # a capture frees them before it allocates
-    assert all(ref() is None for ref in dropped) and rt._retired == []
+    assert all(ref() is None for ref in dropped) and not rt._retired
     assert rt.stats()['rollback_ring']['retired_bytes'] == 0
     rt.prefill('and')
     rt.prefill('and')
@@ -113,6 +113,37 @@ def test_boundaries_the_ring_drops_are_freed_by_the_next_capture_not_by_a_restor
         rt.restore('x')
     assert len(rt._retired) == 2  # at most one ring's worth: the oldest went on the way
     assert all(ref() is None for ref in dropped)
+    assert rt.stats()['rollback_ring']['retired_bytes'] == 0  # 'x' is stored: nothing waits
+
+
+def test_deleting_the_restored_capsules_frees_what_the_ring_dropped(make_runtime):
+    rt = make_runtime(rollback_depth=3)
+    for name in ('a', 'b', 'c'):
+        rt.prefill('and')
+        rt.snapshot(name)
+    rt.prefill('and')  # the ring: 3 boundaries captured by commits, held nowhere else
+    dropped = [weakref.ref(c) for c in rt._ring]
+    for name in ('a', 'b', 'c'):
+        rt.restore(name)  # the ring now holds the three stored capsules
+    assert all(ref() is not None for ref in dropped)
+    a_bytes = rt.store.get('a').nbytes
+    rt.delete_capsule('a')  # the ring's 'a' becomes private: the retired entries go
+    assert all(ref() is None for ref in dropped)
+    assert rt.stats()['rollback_ring']['retired_bytes'] == 0
+    rt.restore('b')  # pushes 'a' off the ring: held nowhere else now, it waits
+    assert rt.stats()['rollback_ring']['retired_bytes'] == a_bytes
+
+
+def test_memory_snapshots_work_when_the_capsule_dir_cannot_exist(make_runtime, tmp_path):
+    blocker = tmp_path / 'a-file'
+    blocker.write_text('not a directory')
+    rt = make_runtime(capsule_dir=str(blocker))
+    rt.prefill(PROMPT)
+    rt.snapshot('a')
+    rt.snapshot('a')  # replacing looks for a same-named disk file: there is no directory
+    assert [c.name for c in rt.list_capsules()] == ['a']
+    rt.restore('a')
+    assert rt.delete_capsule('a').name == 'a'
 
 
 def test_disk_round_trip_across_runtimes(make_runtime):

@@ -4,7 +4,7 @@ import threading
 import time
 
 from conftest import greedy, PROMPT
-from flashrt_ros.runtime import BusyError, InvalidRequestError, TokenEvent
+from flashrt_ros.runtime import BusyError, InvalidNameError, InvalidRequestError, TokenEvent
 import pytest
 
 
@@ -130,6 +130,8 @@ def test_restore_during_generation_is_busy_and_never_tears_state(make_runtime):
                 assert 'interrupt()' in str(exc)
                 busy += 1
         rt.fork('a', 'copy')  # never touches the live state: allowed
+        with pytest.raises(InvalidNameError):  # a bad name is refused as such, at once
+            rt.restore('../a')
         time.sleep(0.002)  # let the stream take the step lock between our calls
     thread.join()
     assert busy > 0
