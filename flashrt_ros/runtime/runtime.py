@@ -905,22 +905,23 @@ class Runtime:
         before anything is stopped, so a bad one leaves the generation running.
         """
         t0 = time.perf_counter()
-        self.store.check_name(name)  # a bad name fails at once, not after a running step
         if mode != 'full' and mode != 'kv_only':
             raise InvalidRequestError(
                 f"restore mode {mode!r} is not valid; use 'full' or 'kv_only'"
             )
+        if preempt and mode != 'full':
+            raise InvalidRequestError('preempt needs a full restore (mode kv_only would '
+                                      'keep the recurrent state of the abandoned step)')
+        self._check_open()
+        # Fetched and checked outside the step lock: a bad name or capsule fails at once, and
+        # a disk capsule is read and verified while steps go on.
+        cap = self.store.get(name)
+        meta = self._check_capsule(cap)
         if preempt:
-            if mode != 'full':
-                raise InvalidRequestError('preempt needs a full restore (mode kv_only would '
-                                          'keep the recurrent state of the abandoned step)')
-            cap = self.store.get(name)  # disk capsules are checksum-verified here
-            meta = self._check_capsule(cap)
             return self._preempt_with(lambda torn: self._restore_checked(cap, meta, mode, t0))
         with self._lock:
             self._check_idle()
-            cap = self.store.get(name)
-            return self._restore_checked(cap, self._check_capsule(cap), mode, t0, opened=True)
+            return self._restore_checked(cap, meta, mode, t0, opened=True)
 
     def _restore_checked(self, cap: Capsule, meta: dict, mode: str, t0: float,
                          opened: bool = False) -> CapsuleInfo:
