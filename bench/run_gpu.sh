@@ -24,7 +24,7 @@ log() { printf '[run_gpu %4ds] %s\n' "$SECONDS" "$*"; }
 
 command -v nvidia-smi >/dev/null || { echo "nvidia-smi not found: this script needs an NVIDIA GPU" >&2; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.limit \
-  --format=csv
+  --format=csv || true  # some boards (Jetson) answer only part of the query
 
 # 1. The venv, the ROS core and this package (idempotent; the first run takes a few minutes).
 log "set-up (make setup)"

@@ -119,24 +119,35 @@ class Engine:
         if not self.cuda_graphs or self.graph is not None:
             return self.graph is not None
         self.adapter.prepare_capture()
+        prev = torch.cuda.current_stream(self.device)
         try:
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(WARMUP_STEPS):
+            # On this GPU, not the current one: torch.cuda.graph syncs and captures on the
+            # current device unless told otherwise.
+            with torch.cuda.device(self.device):
+                stream = torch.cuda.Stream(self.device)
+                stream.wait_stream(prev)
+                with torch.cuda.stream(stream):
+                    for _ in range(WARMUP_STEPS):
+                        self._step()
+                prev.wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: a blocking CUDA call on another thread (a checksum's .cpu())
+                # does not spoil the capture.
+                with torch.cuda.graph(graph, stream=stream, capture_error_mode='thread_local'):
                     self._step()
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self._step()
-            torch.cuda.synchronize(self.device)
+                torch.cuda.synchronize(self.device)
             self.graph, self.graph_error = graph, None
         except Exception as exc:  # e.g. a host sync inside the model: stay eager, say why
             self.graph, self.graph_error = None, f'capture failed, running eager: {exc!r}'[:500]
+            self.cuda_graphs = False  # and do not try again on every warm-up
             try:
                 torch.cuda.synchronize(self.device)
             except Exception:
                 pass
+        finally:
+            # A capture that fails in capture_end leaves its stream current on this thread;
+            # later work here (a snapshot's copy) would then race the decode stream.
+            torch.cuda.set_stream(prev)
         return self.graph is not None
 
     def drop_graph(self) -> None:

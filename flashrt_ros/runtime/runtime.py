@@ -74,6 +74,13 @@ from .models.hf import load_adapter
 from .models.policy import is_policy_model, load_policy
 
 _DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+
+
+def _pinned_host(nbytes: int) -> torch.Tensor:
+    """Pinned host memory: device<->host copies of it are DMA transfers."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
 KV_ONLY_SKIPS = frozenset(
     {'conv', 'recurrent'}
 )  # what a KV-only restore (the ablation) leaves alone
@@ -314,9 +321,10 @@ class Runtime:
     def _capture(self, name: str, tier: str, pinned: bool = False) -> Capsule:
         """Copy the live state into a new capsule (not yet stored)."""
         self._retired.clear()  # before the allocation below, which may reuse their memory
-        blob, packing = self.arena.pack(self.position, self._alloc)  # a new blob, one copy
-        if tier != 'device' and self.device.type != 'cpu':  # on a CPU runtime: host memory now
-            blob = move_blob(blob, 'host', self.device)
+        alloc = self._alloc  # a new blob in arena memory, or on a GPU runtime for the host
+        if tier != 'device' and self._cuda:  # and disk tiers one in pinned host memory
+            alloc = _pinned_host
+        blob, packing = self.arena.pack(self.position, alloc)  # one copy
         rng = self.generator.get_state()
         # A custom adapter's meta goes through JSON now (_adapter_meta): it may export live
         # objects, which must not leak into the capsule, and what cannot be written should
@@ -579,8 +587,9 @@ class Runtime:
                 self._pool.clear()
             self.engine.drop_graph()
             del self.adapter, self.engine, self.arena
-            if self.device.type == 'cuda':
-                torch.cuda.empty_cache()
+            if self._cuda:
+                with torch.cuda.device(self.device):
+                    torch.cuda.empty_cache()
 
     # ---- prefill / generate -----------------------------------------------------------
 
@@ -892,6 +901,8 @@ class Runtime:
         with self._lock:
             self._check_open()
             cap = self._capture(name, tier, pinned=bool(pinned))
+            if self._cuda:
+                torch.cuda.synchronize(self.device)  # the info's latency covers the copy
         stored = self.store.put(cap)
         return stored.info(time.perf_counter() - t0)
 
@@ -1010,6 +1021,8 @@ class Runtime:
         self._apply(target, meta)
         for _ in range(skip):
             self._retired.append(self._ring.pop())
+        if self._cuda:
+            torch.cuda.synchronize(self.device)  # the info's latency covers the copy
         dt = time.perf_counter() - t0
         info = target.info(dt)
         return CapsuleInfo(

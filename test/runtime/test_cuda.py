@@ -10,13 +10,38 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a C
 @pytest.mark.parametrize(
     'model', ['builtin:tiny-hybrid', 'builtin:tiny-llama', 'builtin:tiny-mamba2']
 )
-def test_graph_decode_matches_eager(make_runtime, model):
-    eager = make_runtime(model, device='cuda', cuda_graphs=False)
-    graphed = make_runtime(model, device='cuda', cuda_graphs=True)
+@pytest.mark.parametrize('max_seq_len', [128, 1024])
+def test_graph_decode_matches_eager(make_runtime, model, max_seq_len):
+    # At 1024 the eager step attends over a window of the buffer (WINDOW_QUANTUM steps) and
+    # the graph over all of it: the masked rows must not change a token.
+    prompt = PROMPT * (8 if max_seq_len > 256 else 1)
+    eager = make_runtime(model, device='cuda', cuda_graphs=False, max_seq_len=max_seq_len)
+    graphed = make_runtime(model, device='cuda', cuda_graphs=True, max_seq_len=max_seq_len)
     graphed.warmup()
     stats = graphed.stats()
     assert stats['cuda_graph'], stats['cuda_graph_note']
-    assert greedy(graphed, 16, prompt=PROMPT) == greedy(eager, 16, prompt=PROMPT)
+    assert greedy(graphed, 16, prompt=prompt) == greedy(eager, 16, prompt=prompt)
+
+
+def test_failed_capture_runs_eager_on_the_stream_it_started_on(make_runtime, monkeypatch):
+    rt = make_runtime(device='cuda')
+    eager = make_runtime(device='cuda', cuda_graphs=False)
+    step = rt.engine._step
+
+    def syncing_step(kv_len=None):
+        step(kv_len)
+        rt.engine.logits.sum().item()  # a host sync: allowed eagerly, fatal to a capture
+
+    monkeypatch.setattr(rt.engine, '_step', syncing_step)
+    stream = torch.cuda.current_stream(rt.device)
+    rt.warmup()
+    stats = rt.stats()
+    assert not stats['cuda_graph'] and 'capture failed' in stats['cuda_graph_note']
+    assert torch.cuda.current_stream(rt.device) == stream
+    rt.warmup()  # no second attempt
+    assert rt.stats()['cuda_graph_note'] == stats['cuda_graph_note']
+    monkeypatch.undo()
+    assert greedy(rt, 12, prompt=PROMPT) == greedy(eager, 12, prompt=PROMPT)
 
 
 @pytest.mark.parametrize('tier', ['device', 'host', 'disk'])
