@@ -387,6 +387,11 @@ class CapsuleStore:
             self._mem[capsule.name] = capsule
             return capsule
 
+    def check_name(self, name: Any) -> None:
+        """Raise InvalidNameError for a bad name (a dict lookup for a stored, valid one)."""
+        if not (isinstance(name, str) and name in self._mem):
+            validate_name(name)
+
     def memory_capsules(self) -> list[Capsule]:
         with self._lock:
             return list(self._mem.values())

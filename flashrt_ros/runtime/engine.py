@@ -119,11 +119,11 @@ class Engine:
         if not self.cuda_graphs or self.graph is not None:
             return self.graph is not None
         self.adapter.prepare_capture()
-        prev = torch.cuda.current_stream(self.device)
-        try:
-            # On this GPU, not the current one: torch.cuda.graph syncs and captures on the
-            # current device unless told otherwise.
-            with torch.cuda.device(self.device):
+        # On this GPU, not the current one: torch.cuda.graph syncs and captures on the current
+        # device unless told otherwise.
+        with torch.cuda.device(self.device):
+            prev = torch.cuda.current_stream(self.device)
+            try:
                 stream = torch.cuda.Stream(self.device)
                 stream.wait_stream(prev)
                 with torch.cuda.stream(stream):
@@ -136,18 +136,20 @@ class Engine:
                 with torch.cuda.graph(graph, stream=stream, capture_error_mode='thread_local'):
                     self._step()
                 torch.cuda.synchronize(self.device)
-            self.graph, self.graph_error = graph, None
-        except Exception as exc:  # e.g. a host sync inside the model: stay eager, say why
-            self.graph, self.graph_error = None, f'capture failed, running eager: {exc!r}'[:500]
-            self.cuda_graphs = False  # and do not try again on every warm-up
-            try:
-                torch.cuda.synchronize(self.device)
-            except Exception:
-                pass
-        finally:
-            # A capture that fails in capture_end leaves its stream current on this thread;
-            # later work here (a snapshot's copy) would then race the decode stream.
-            torch.cuda.set_stream(prev)
+                self.graph, self.graph_error = graph, None
+            except Exception as exc:  # e.g. a host sync inside the model: stay eager, say why
+                self.graph = None
+                self.graph_error = f'capture failed, running eager: {exc!r}'[:500]
+                self.cuda_graphs = False  # and do not try again on every warm-up
+                try:
+                    torch.cuda.synchronize(self.device)
+                except Exception:
+                    pass
+            finally:
+                # A capture that fails in capture_end leaves its stream current on this
+                # thread, where later work (a snapshot's copy) would race the decode stream.
+                # Set back inside the device block: set_stream also switches the device.
+                torch.cuda.set_stream(prev)
         return self.graph is not None
 
     def drop_graph(self) -> None:

@@ -62,6 +62,7 @@ from .config import RuntimeConfig
 from .engine import Engine, PolicyEngine, StepAborted
 from .errors import (
     BusyError,
+    CapsuleNotFoundError,
     ConfigError,
     CorruptCapsuleError,
     FingerprintMismatchError,
@@ -924,10 +925,17 @@ class Runtime:
             raise InvalidRequestError('preempt needs a full restore (mode kv_only would '
                                       'keep the recurrent state of the abandoned step)')
         self._check_open()
+        self.store.check_name(name)
+        if not preempt and self._active is not None:  # (checked again under the lock)
+            raise BusyError(BUSY_MESSAGE)  # before any disk read or LRU clock
         # Fetched and checked outside the step lock: a bad name or capsule fails at once, and
         # a disk capsule is read and verified while steps go on.
-        cap = self.store.get(name)
-        meta = self._check_capsule(cap)
+        try:
+            cap = self.store.get(name)
+            meta = self._check_capsule(cap)
+        except (AttributeError, CapsuleNotFoundError):
+            self._check_open()  # close() ran meanwhile: say that, not what it took away
+            raise
         if preempt:
             return self._preempt_with(lambda torn: self._restore_checked(cap, meta, mode, t0))
         with self._lock:

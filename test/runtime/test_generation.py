@@ -1,5 +1,6 @@
 """Streaming generation: stop conditions, interrupt, and the one-writer rules across threads."""
 
+import os
 import threading
 import time
 
@@ -136,6 +137,22 @@ def test_restore_during_generation_is_busy_and_never_tears_state(make_runtime):
     thread.join()
     assert busy > 0
     assert [e.token_id for e in out] == reference  # the stream was not disturbed
+
+
+def test_restore_while_generating_is_refused_before_reading_the_disk(make_runtime):
+    rt = make_runtime(max_seq_len=4096)
+    rt.prefill(PROMPT)
+    rt.snapshot('d', tier='disk')
+    path = rt.config.capsule_path / 'd.safetensors'
+    os.utime(path, (1_000_000, 1_000_000))  # the disk tier's LRU clock
+    thread, out = _run_in_thread(rt.generate(max_new_tokens=3000, stop=(), eos=False))
+    while len(out) < 2:
+        time.sleep(0.002)
+    with pytest.raises(BusyError):
+        rt.restore('d')
+    rt.interrupt()
+    thread.join()
+    assert path.stat().st_mtime == 1_000_000  # not read, not counted as a use
 
 
 def test_snapshot_during_generation_captures_a_step_boundary(make_runtime):
