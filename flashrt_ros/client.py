@@ -167,14 +167,24 @@ class FlashRTClient:
 
         self._executor = MultiThreadedExecutor(num_threads=4, context=context)
         self._executor.add_node(n)
+        self._closing = False
         self._spinner = threading.Thread(target=self._spin, name='flashrt-client', daemon=True)
         self._spinner.start()
 
     def _spin(self):
-        try:
-            self._executor.spin()
-        except ExternalShutdownException:
-            pass
+        # A callback that raises (a QoS event of an entity destroyed under it, a user's token
+        # callback) is logged and the client keeps spinning: otherwise every later call of
+        # this client would time out.
+        while not self._closing:
+            try:
+                self._executor.spin()
+                return
+            except ExternalShutdownException:
+                return
+            except Exception as exc:  # noqa: B902 - whatever a callback raised
+                if self._closing or not self.context.ok():
+                    return
+                self.node.get_logger().error(f'a client callback failed: {exc!r}')
 
     # ---- waiting -----------------------------------------------------------------------
 
@@ -354,6 +364,7 @@ class FlashRTClient:
 
     def close(self):
         """Stop spinning and destroy the client node (and its context if it made one)."""
+        self._closing = True
         self._executor.shutdown(timeout_sec=2.0)
         self._spinner.join(timeout=2.0)
         self.node.destroy_node()

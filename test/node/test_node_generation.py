@@ -9,6 +9,7 @@ from node_harness import HOME
 import pytest
 from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
 from rcl_interfaces.srv import SetParameters
+from rclpy.event_handler import PublisherEventCallbacks
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 
 BUSY = 'a generation is running; cancel it or publish ~/interrupt'
@@ -214,12 +215,33 @@ def test_interrupt_bad_capsule_keeps_serving(client, at_home, events):
 def test_best_effort_interrupt_publisher_is_reported(client, node_a):
     # The one subscription with a QoS event handler: a mismatch would lose every interrupt.
     qos = QoSProfile(depth=10, reliability=ReliabilityPolicy.BEST_EFFORT)
-    pub = client.node.create_publisher(Interrupt, f'{client.base}/interrupt', qos)
+    # No event handlers on this side: destroying a publisher while its own incompatible-QoS
+    # event is being taken raises in the spinning thread (rclpy InvalidHandle).
+    pub = client.node.create_publisher(
+        Interrupt, f'{client.base}/interrupt', qos,
+        event_callbacks=PublisherEventCallbacks(use_default_callbacks=False))
     try:
         assert _wait(lambda: 'none of its interrupts will arrive' in node_a.log()), \
             node_a.log()[-2000:]
     finally:
         client.node.destroy_publisher(pub)
+
+
+def test_client_keeps_serving_after_a_callback_fails(client, at_home):
+    fired = threading.Event()
+
+    def fail():
+        timer.cancel()
+        fired.set()
+        raise RuntimeError('a callback of the client node fails')
+
+    timer = client.node.create_timer(0.01, fail)
+    try:
+        assert fired.wait(5.0)
+        time.sleep(0.1)  # the executor has seen the error by now
+        assert client.state_digest() == at_home  # still spinning: the call is answered
+    finally:
+        client.node.destroy_timer(timer)
 
 
 def test_reset_topic(client, at_home, events):
