@@ -25,13 +25,14 @@ import time
 
 from flashrt_ros.action import Generate
 from flashrt_ros.msg import ActionChunk, CapsuleEvent, Interrupt, TokenChunk
+from flashrt_ros.spin import spin_until_shutdown
 from flashrt_ros.srv import DeleteCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
 from lifecycle_msgs.srv import ChangeState, GetState
 import rclpy
 from rclpy.action import ActionClient
 from rclpy.callback_groups import ReentrantCallbackGroup
 from rclpy.context import Context
-from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.executors import MultiThreadedExecutor
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import JointState
 from std_msgs.msg import Empty, Float32MultiArray, String
@@ -172,19 +173,8 @@ class FlashRTClient:
         self._spinner.start()
 
     def _spin(self):
-        # A callback that raises (a QoS event of an entity destroyed under it, a user's token
-        # callback) is logged and the client keeps spinning: otherwise every later call of
-        # this client would time out.
-        while not self._closing:
-            try:
-                self._executor.spin()
-                return
-            except ExternalShutdownException:
-                return
-            except Exception as exc:  # noqa: B902 - whatever a callback raised
-                if self._closing or not self.context.ok():
-                    return
-                self.node.get_logger().error(f'a client callback failed: {exc!r}')
+        spin_until_shutdown(self._executor, self.node.get_logger(),
+                            lambda: self._closing or not self.context.ok())
 
     # ---- waiting -----------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ from flashrt_ros.action import Generate
 from flashrt_ros.msg import ActionChunk, CapsuleEvent, CapsuleInfo, Interrupt, TokenChunk
 from flashrt_ros.runtime import BusyError, FlashRTError, InvalidRequestError, Runtime
 from flashrt_ros.runtime import RuntimeConfig
+from flashrt_ros.spin import spin_until_shutdown
 from flashrt_ros.srv import DeleteCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
 from rcl_interfaces.msg import ParameterType, SetParametersResult
@@ -58,7 +59,7 @@ try:
     from rclpy.event_handler import PublisherEventCallbacks, SubscriptionEventCallbacks
 except ImportError:  # Humble: the same classes before their module was renamed in Iron
     from rclpy.qos_event import PublisherEventCallbacks, SubscriptionEventCallbacks
-from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.executors import MultiThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, qos_policy_name_from_kind
 from rclpy.qos import QoSProfile, ReliabilityPolicy
@@ -1259,10 +1260,8 @@ def main(args=None):
                 node.trigger_activate()
 
         def spin():
-            try:
-                executor.spin()
-            except ExternalShutdownException:
-                pass
+            spin_until_shutdown(executor, node.get_logger(),
+                                lambda: stop.is_set() or not rclpy.ok())
 
         spinner = threading.Thread(target=spin, name='flashrt-executor', daemon=True)
         spinner.start()
