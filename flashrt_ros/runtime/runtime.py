@@ -322,9 +322,9 @@ class Runtime:
     def _capture(self, name: str, tier: str, pinned: bool = False) -> Capsule:
         """Copy the live state into a new capsule (not yet stored)."""
         self._retired.clear()  # before the allocation below, which may reuse their memory
-        alloc = self._alloc  # a new blob in arena memory, or on a GPU runtime for the host
-        if tier != 'device' and self._cuda:  # and disk tiers one in pinned host memory
-            alloc = _pinned_host
+        # A new blob in arena memory; for the host and disk tiers of a GPU runtime, in pinned
+        # host memory (the copy below then goes there directly).
+        alloc = _pinned_host if tier != 'device' and self._cuda else self._alloc
         blob, packing = self.arena.pack(self.position, alloc)  # one copy
         rng = self.generator.get_state()
         # A custom adapter's meta goes through JSON now (_adapter_meta): it may export live
@@ -940,13 +940,11 @@ class Runtime:
             return self._preempt_with(lambda torn: self._restore_checked(cap, meta, mode, t0))
         with self._lock:
             self._check_idle()
-            return self._restore_checked(cap, meta, mode, t0, opened=True)
+            return self._restore_checked(cap, meta, mode, t0)
 
-    def _restore_checked(self, cap: Capsule, meta: dict, mode: str, t0: float,
-                         opened: bool = False) -> CapsuleInfo:
+    def _restore_checked(self, cap: Capsule, meta: dict, mode: str, t0: float) -> CapsuleInfo:
         """Apply a checked capsule, push the boundary, time it (lock held)."""
-        if not opened:
-            self._check_open()
+        self._check_open()
         kinds = None if mode == 'full' else set(self.arena.kinds) - KV_ONLY_SKIPS
         blob = self._apply(cap, meta, kinds)
         if self.config.rollback_depth > 0:
@@ -1032,19 +1030,9 @@ class Runtime:
         if self._cuda:
             torch.cuda.synchronize(self.device)  # the info's latency covers the copy
         dt = time.perf_counter() - t0
-        info = target.info(dt)
-        return CapsuleInfo(
-            f'@boundary-{target.position}',
-            'device',
-            info.nbytes,
-            info.position,
-            info.created,
-            info.checksum,
-            info.fingerprint,
-            info.components,
-            False,
-            dt,
-        )
+        # Reported as the boundary it is, whatever capsule the ring held for it.
+        return target.info(dt, tier='device')._replace(
+            name=f'@boundary-{target.position}', pinned=False)
 
     def list_capsules(self, tier: str | None = None,
                       unreadable: list[str] | None = None) -> list[CapsuleInfo]:
