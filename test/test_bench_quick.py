@@ -36,6 +36,12 @@ def test_bench_quick_subset_writes_schema_and_correctness(tmp_path):
         for key in ('snapshot_ms', 'restore_ms', 'raw_snapshot_ms', 'raw_restore_ms'):
             assert set(row[key]) == STAT_KEYS and row[key]['n'] >= 1
         assert row['restore_vs_raw'] is not None and row['snapshot_vs_raw'] is not None
+        # The device tier also times the restore's own copy, to split off what surrounds it.
+        has_copy = row['tier'] == 'device'
+        assert ('restore_copy_ms' in row) == has_copy and ('restore_rest_us' in row) == has_copy
+        if has_copy:
+            assert set(row['restore_copy_ms']) == STAT_KEYS and row['restore_copy_vs_raw'] > 0
+            assert isinstance(row['restore_rest_us'], float)
 
     fig3 = data['figures']['fig3']
     assert fig3['state_advanced_by_decode'] is True
