@@ -4,8 +4,8 @@ Measure how low a full device restore can go behind a Python call (CPU, fig1 sta
     . ./env.sh && python -P bench/restore_floor.py [--position 64] [--rounds 300]
 
 Runs fig1's device round (snapshot, raw copy, restores, lineage forgotten before the
-timed full restore, raw copy) and times, in the same rounds and each right after a raw copy
-or a restore as in fig1:
+timed full restore, raw copy) and times, in the same rounds, each after a restore of the
+same capsule and a forgotten lineage, as fig1's full restore runs:
   restore    Runtime.restore(name): the full restore the target is about;
   floor      the restore cut down to what no restore can leave out: the copy, the adapter's
              layer flags, the sampler state, position and pending token, the rollback-ring
@@ -27,10 +27,13 @@ from flashrt_ros.runtime.measure import raw_copy, sample_interleaved_s, token_id
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.strip().split('\n')[0])
-    p.add_argument('--position', type=int, default=64, help='tokens prefilled (fig1: 64)')
+    p.add_argument('--position', type=int, default=64,
+                   help='tokens prefilled, at least 1 (fig1: 64)')
     p.add_argument('--rounds', type=int, default=300)
     p.add_argument('--model', default='builtin:bench-hybrid')
     args = p.parse_args()
+    if args.position < 1:
+        p.error('--position must be at least 1 (a full restore copies the used rows)')
     rt = Runtime(RuntimeConfig(
         model=args.model, device='cpu', max_seq_len=16384 + 128, device_budget_bytes=0,
         host_budget_bytes=0, disk_budget_bytes=0, capsule_dir=tempfile.mkdtemp()))
@@ -38,7 +41,8 @@ def main():
     rt.prefill(token_ids(args.position, seed=11))
     name = 'floor'
     rt.snapshot(name, 'device')
-    rt.restore(name)  # checks the capsule once and caches its copy views, as fig1's rounds do
+    # Each round's snapshot makes a new capsule; its first full restore (after a forgotten
+    # lineage) checks it and caches the full-copy views that floor() and copy() use.
     nbytes = rt.store.get(name).nbytes
     raw = raw_copy(nbytes, 'cpu', 'cpu')
     epochs = itertools.count(1 << 40)
@@ -64,10 +68,11 @@ def main():
     forget, restore = rt.arena.begin_epoch, lambda: rt.restore(name)
     times = sample_interleaved_s(
         [lambda: rt.snapshot(name, 'device'), raw, restore, restore, forget, restore, forget,
-         restore, raw, forget, floor, raw, forget, copy, raw], args.rounds, rt.device)
+         restore, raw, restore, forget, floor, raw, restore, forget, copy, raw],
+        args.rounds, rt.device)
     m = [statistics.median(t) * 1e6 for t in times]
     print(f'{nbytes / 2**20:.2f} MiB, {args.rounds} rounds, median us (x raw copy_):')
-    for label, ours, base in (('restore', 7, 8), ('floor', 10, 11), ('copy', 13, 14)):
+    for label, ours, base in (('restore', 7, 8), ('floor', 11, 12), ('copy', 15, 16)):
         print(f'  {label:8s} {m[ours]:7.1f}  raw {m[base]:7.1f}  {m[ours] / m[base]:.3f}x')
     rt.close()
 
