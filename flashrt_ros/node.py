@@ -198,6 +198,9 @@ class _Turn:
         self.cancel_requested = False     # set by the action's cancel callback
         self.result = Generate.Result()
         self.done = threading.Event()
+        self.turn_id = 0                  # set when the generation thread starts it
+        self.streamed = 0                 # tokens published in non-final chunks
+        self.final = None                 # (ids, text, stop_reason) of the last chunk
 
 
 class FlashRTNode(LifecycleNode):
@@ -1041,6 +1044,8 @@ class FlashRTNode(LifecycleNode):
                     return
                 turn = self._queue.popleft()
                 self._current = turn
+                self._turn_id += 1
+                turn.turn_id = self._turn_id
             if self.tune_switch_interval:
                 sys.setswitchinterval(SWITCH_INTERVAL_DECODING_S)
             try:
@@ -1050,6 +1055,7 @@ class FlashRTNode(LifecycleNode):
                 turn.result = Generate.Result(success=False, stop_reason='error',
                                               message=f'internal error: {exc!r}',
                                               position=self._position())
+                turn.final = turn.final or ([], '', 'error')
             finally:
                 if not turn.result.success:
                     self.get_logger().warning(f'generation turn failed: {turn.result.message}')
@@ -1059,25 +1065,30 @@ class FlashRTNode(LifecycleNode):
                     self._current = None
                     self._reserved -= 1
                     self._cv.notify_all()
-                turn.done.set()
+                # The final chunk says the turn is over: everything it does (save_as, the
+                # cancel policy) is done, and the node takes the next goal or ~/prompt
+                # (goal_policy reject counts this turn out before a client can react).
+                try:
+                    if turn.final is not None:
+                        self._publish_chunk(turn, turn.streamed, *turn.final, final=True)
+                finally:
+                    turn.done.set()
 
     def _run_turn(self, turn):
         goal, rt = turn.goal, self._runtime
         if turn.goal_handle is not None:
             turn.goal_handle.execute()
-        self._turn_id += 1
-        turn_id = self._turn_id
         if turn.cancel_requested:
             turn.result = Generate.Result(success=True, stop_reason='interrupted',
                                           message='cancelled before it started',
                                           position=self._position())
-            self._publish_chunk(turn, turn_id, 0, [], '', True, 'interrupted')
+            turn.final = [], '', 'interrupted'
             return
         failure = self._prepare_turn(goal)
         if failure:
             turn.result = Generate.Result(success=False, stop_reason='error', message=failure,
                                           position=self._position())
-            self._publish_chunk(turn, turn_id, 0, [], '', True, 'error')
+            turn.final = [], '', 'error'
             return
         try:
             gen = rt.generate(
@@ -1090,10 +1101,10 @@ class FlashRTNode(LifecycleNode):
             message = BUSY_MESSAGE if isinstance(exc, BusyError) else str(exc)
             turn.result = Generate.Result(success=False, stop_reason='error', message=message,
                                           position=self._position())
-            self._publish_chunk(turn, turn_id, 0, [], '', True, 'error')
+            turn.final = [], '', 'error'
             return
         chunk_size = self._param('token_chunk')
-        ids, pieces, first = [], [], 0
+        ids, pieces = [], []
         try:
             if turn.cancel_requested or self._holds:
                 gen.close()
@@ -1101,8 +1112,8 @@ class FlashRTNode(LifecycleNode):
                 ids.append(event.token_id)
                 pieces.append(event.text)
                 if len(ids) >= chunk_size:
-                    self._publish_chunk(turn, turn_id, first, ids, ''.join(pieces), False, '')
-                    first += len(ids)
+                    self._publish_chunk(turn, turn.streamed, ids, ''.join(pieces), '')
+                    turn.streamed += len(ids)
                     ids, pieces = [], []
                 if turn.cancel_requested or self._holds:
                     gen.close()  # an interrupt or cancel: stop at this step boundary
@@ -1112,8 +1123,7 @@ class FlashRTNode(LifecycleNode):
                 raise  # not the model: the generation loop reports it as a bug
             # The model step failed (out of memory, a NaN, ...): the runtime ended the turn
             # and put the state back; say so, and close the stream like any other turn.
-            self._publish_chunk(turn, turn_id, first, ids, ''.join(pieces), True,
-                                gen.result.stop_reason)
+            turn.final = ids, ''.join(pieces), gen.result.stop_reason
             where = ('the state is back at the last committed boundary'
                      if gen.result.stop_reason == 'error'
                      else 'a waiting restore/rollback replaced the state')
@@ -1125,7 +1135,7 @@ class FlashRTNode(LifecycleNode):
                 position=self._position())
             return
         res = gen.result
-        self._publish_chunk(turn, turn_id, first, ids, ''.join(pieces), True, res.stop_reason)
+        turn.final = ids, ''.join(pieces), res.stop_reason
         success, message = True, f'{len(res.token_ids)} tokens, stop reason {res.stop_reason}'
         if goal.save_as:
             saved = self._save_turn(goal.save_as, goal.save_tier or 'device')
@@ -1183,8 +1193,8 @@ class FlashRTNode(LifecycleNode):
                             success, message + ' (reason: goal cancelled)')
         return message
 
-    def _publish_chunk(self, turn, turn_id, index, ids, text, final, stop_reason):
-        chunk = TokenChunk(turn_id=turn_id, index=index, token_ids=list(ids), text=text,
+    def _publish_chunk(self, turn, index, ids, text, stop_reason, final=False):
+        chunk = TokenChunk(turn_id=turn.turn_id, index=index, token_ids=list(ids), text=text,
                            final=final, stop_reason=stop_reason)
         chunk.header.stamp = self.get_clock().now().to_msg()
         if self._active:

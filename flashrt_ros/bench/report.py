@@ -166,6 +166,11 @@ def sections(results):
             notes.append(f'{fig["elapsed_s"]:.0f} s; CPU meanwhile: machine '
                          f'{cpu["machine_busy_pct"]}% busy, this run {cpu["this_run_pct"]}%, '
                          f'others {cpu["others_pct"]}%, steal {cpu["steal_pct"]}%')
+        if fig.get('missed'):
+            what = ', no '.join(f'{w.replace("_", " ")} x{n}'
+                                for w, n in sorted(fig['missed_by_what'].items()))
+            notes.append(f'{fig["missed"]} of {fig["interrupts"]} interrupt turns missed (no '
+                         f'{what} within the timeout); the latencies leave them out')
         if key in TABLES and (fig.get('rows') or fig.get('tiers') or fig.get('tokens_per_s')
                               or 'node_added_ms' in fig):
             header, rows = TABLES[key](fig)

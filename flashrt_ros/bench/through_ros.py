@@ -11,6 +11,7 @@ latency_ms from the event).
 Not FlashRTClient: its background executor and futures would add their own overhead.
 """
 
+import collections
 import importlib.util
 import os
 import random
@@ -264,21 +265,23 @@ def _interrupts(client, n, log):
     time.sleep(0.5)  # let ~/tokens and ~/events match too
 
     def one_turn(i, wait_tokens):
-        """Start a turn, interrupt it; return (e2e s, event, running) or None on a miss."""
+        """Start a turn, interrupt it; return (e2e s, event, running) or what was missed."""
         t_mark, e_mark = len(tokens.items), len(events.items)
         prompt.publish(String(data=f'Interrupt me, please ({i}).'))
         first = tokens.wait(lambda m: m.index >= wait_tokens or m.final, t_mark, CALL_TIMEOUT_S)
         if first is None:
-            return None
+            return 'first_token'
         turn = first[1].turn_id
         time.sleep(random.uniform(0.0, step_s))  # land anywhere inside a decode step
         running = tokens.wait(lambda m: m.turn_id == turn and m.final, t_mark, 0.0) is None
         t0, published = time.perf_counter(), time.time()
         interrupt.publish(Interrupt(mode=Interrupt.RESTORE, capsule=HOME, reason='bench'))
         event = events.wait(lambda m: m.operation == 'interrupt', e_mark, CALL_TIMEOUT_S)
-        tokens.wait(lambda m: m.turn_id == turn and m.final, t_mark, CALL_TIMEOUT_S)
+        final = tokens.wait(lambda m: m.turn_id == turn and m.final, t_mark, CALL_TIMEOUT_S)
         if event is None:
-            return None
+            return 'event'
+        if final is None:  # the next prompt would queue behind this turn
+            return 'final_chunk'
         # The event is stamped when the state is restored; both clocks are this host's.
         stamp = event[1].header.stamp
         restored = stamp.sec + stamp.nanosec * 1e-9 - published
@@ -287,11 +290,13 @@ def _interrupts(client, n, log):
     step_s = 0.01
     one_turn(-1, WARMUP_TOKENS)  # warm-up turn: learn the decode-step time
     step_s = float(np.median(_step_seconds(tokens.items) or [step_s]))
-    e2e, pub_to_restored, node_side, missed, idle, failed = [], [], [], 0, 0, 0
+    e2e, pub_to_restored, node_side, idle, failed = [], [], [], 0, 0
+    missed = collections.Counter()
     for i in range(n):
         outcome = one_turn(i, 0)
-        if outcome is None:
-            missed += 1
+        if isinstance(outcome, str):
+            missed[outcome] += 1
+            log(f'fig5 interrupt {i}: no {outcome.replace("_", " ")} within {CALL_TIMEOUT_S} s')
             continue
         seconds, restored, event, running = outcome
         e2e.append(seconds)
@@ -314,7 +319,8 @@ def _interrupts(client, n, log):
         'interrupt_e2e_samples_ms': [s * 1e3 for s in e2e],
         'interrupt_published_to_restored_samples_ms': [s * 1e3 for s in pub_to_restored],
         'interrupt_node_samples_ms': [s * 1e3 for s in node_side],
-        'missed': missed,
+        'missed': sum(missed.values()),
+        'missed_by_what': dict(missed),
         'not_generating_when_interrupted': idle,
         'failed': failed,
     }

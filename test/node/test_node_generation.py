@@ -308,6 +308,47 @@ def test_start_from_and_save_as(client, at_home):
     assert client.delete_capsule('remembered').success
 
 
+def test_final_chunk_ends_the_turn(client, at_home):
+    """A client that acts on the final chunk finds the turn's work done and the node free."""
+    streamed, answers = [], []
+    sub = client.subscribe_tokens(streamed.append)
+    time.sleep(0.3)
+
+    def on_chunk(chunk):
+        if not chunk.final:
+            return
+        # Chain the next step at once, as a robot stack would: restore what the turn saved
+        # (save_as, on disk), or start the next turn on ~/prompt (goal_policy reject).
+        if len(answers) % 2 == 0:
+            try:
+                answers.append(client.restore('chained'))
+            except Exception as exc:
+                answers.append(exc)
+        else:
+            client.publish_prompt('Next.')
+            answers.append('prompt')
+
+    try:
+        for i in range(6):  # the node finished the turn before it said so, every time
+            outcome = client.generate('First.', max_new_tokens=4, save_as='chained',
+                                      save_tier='disk', feedback_callback=on_chunk,
+                                      timeout=30.0)
+            assert outcome.result.success, outcome.result.message
+            # The callback may still be running when result() returns.
+            assert _wait(lambda: len(answers) == i + 1, 10.0)
+            if i % 2 == 0:
+                assert answers[i].success, answers[i]
+                continue
+            turn = outcome.chunks[-1].turn_id
+            assert _wait(lambda: any(c.final and c.turn_id > turn for c in streamed), 10.0), (
+                f'turn {i}: the ~/prompt published on the final chunk was refused')
+            chained = [c for c in streamed if c.turn_id > turn]
+            assert chained[-1].stop_reason in ('max_tokens', 'eos')
+    finally:
+        client.node.destroy_subscription(sub)
+        assert client.delete_capsule('chained').success
+
+
 @pytest.mark.parametrize('kwargs, words', [
     ({'top_p': 0.0}, 'top_p'),
     ({'token_ids': [100000]}, 'vocabulary'),
