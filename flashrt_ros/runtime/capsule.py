@@ -59,7 +59,7 @@ from .errors import (
 TIERS = ('device', 'host', 'disk')
 FORMAT_VERSION = 2  # 2: arena prefix blobs (row-block layout)
 MAX_NAME_LEN = 128
-_NAME_RE = re.compile(r'^[A-Za-z0-9][A-Za-z0-9_.\-]*$')
+_NAME_RE = re.compile(r'[A-Za-z0-9][A-Za-z0-9_.\-]*')  # whole name: fullmatch
 _SUFFIX = '.safetensors'
 
 
@@ -71,7 +71,7 @@ def validate_name(name: Any) -> str:
         raise InvalidNameError(
             f'capsule name is {len(name)} characters; the limit is {MAX_NAME_LEN}'
         )
-    if '/' in name or '\\' in name or '..' in name or not _NAME_RE.match(name):
+    if '/' in name or '\\' in name or '..' in name or not _NAME_RE.fullmatch(name):
         raise InvalidNameError(
             f"capsule name {name!r} is not allowed; use letters, digits, '_', '-', '.' "
             "(starting with a letter or digit, no '..', no path separators)"
@@ -539,23 +539,31 @@ class CapsuleStore:
         data = save(
             {'blob': blob}, metadata={'flashrt': header_json, 'checksum': capsule.checksum}
         )
-        for victim in self._make_room('disk', len(data), capsule.name):
-            self._evict(victim)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._delete_locked(
-            capsule.name, missing_ok=True
-        )  # a same-named memory capsule is replaced
-        fd, tmp = tempfile.mkstemp(prefix=f'.{capsule.name}.', suffix='.tmp', dir=self.dir)
+        victims = self._make_room('disk', len(data), capsule.name)  # may refuse: nothing changed
+        path, tmp = self._path(capsule.name), None
         try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f'.{capsule.name}.', suffix='.tmp', dir=self.dir)
             with os.fdopen(fd, 'wb') as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self._path(capsule.name))  # atomic: readers see old or new, never half
-        except BaseException:
-            if os.path.exists(tmp):
+            os.replace(tmp, path)  # atomic: readers see old or new, never half
+        except BaseException as exc:
+            if tmp is not None and os.path.exists(tmp):
                 os.unlink(tmp)
+            if isinstance(exc, OSError):  # disk full, quota, read-only, no directory
+                raise FlashRTError(
+                    f'capsule {capsule.name!r} could not be written to {str(path)!r} ({exc}); '
+                    'nothing was replaced or evicted: free space or fix capsule_dir, or '
+                    'snapshot to another tier'
+                ) from exc
             raise
+        # Written: only now does it replace a same-named memory capsule (the old file went in
+        # the rename) and do the budget's victims go.
+        self._mem.pop(capsule.name, None)
+        for victim in victims:
+            self._evict(victim)
         dir_fd = os.open(self.dir, os.O_RDONLY)
         try:
             os.fsync(dir_fd)  # make the rename itself durable

@@ -48,6 +48,7 @@ import contextlib
 from dataclasses import dataclass
 import hashlib
 import json
+import sys
 import threading
 import time
 from typing import Iterator, Sequence
@@ -85,7 +86,8 @@ def _pinned_host(nbytes: int) -> torch.Tensor:
 KV_ONLY_SKIPS = frozenset(
     {'conv', 'recurrent'}
 )  # what a KV-only restore (the ablation) leaves alone
-BUSY_MESSAGE = 'a generation is running; call interrupt() first'
+BUSY_MESSAGE = ('a generation is running; interrupt() it (a step in flight ends first), or '
+                'restore/rollback with preempt=True')
 STOP_REASONS = ('max_tokens', 'eos', 'stop_string', 'interrupted', 'max_seq_len', 'error')
 
 
@@ -166,6 +168,8 @@ class Generation:
             self._rt._finish(self, 'interrupted')
 
     def __del__(self):
+        if sys.is_finalizing():  # interpreter exit: torch and the blob pool may be half gone
+            return
         try:
             self.close()
         except Exception:
@@ -650,12 +654,23 @@ class Runtime:
         """
         Make the running generation stop before its next step (no-op when none runs).
 
-        Policy mode: drop the pending action queue (waits for a running act() to finish).
+        A generation between steps (nobody iterating it now: left after a `break`, or never
+        started) ends here and now, so the runtime is free when this returns; one in the
+        middle of a step ends when the step does. Policy mode: drop the pending action queue
+        (waits for a running act() to finish).
         """
         if self.is_policy and not self._closed:
             self.drop_actions()
-        if self._active is not None:
-            self._interrupt.set()
+        gen = self._active
+        if gen is None:
+            return
+        self._interrupt.set()
+        if self._lock.acquire(blocking=False):  # not inside a step
+            try:
+                if self._active is gen:
+                    self._finish(gen, 'interrupted')
+            finally:
+                self._lock.release()
 
     def _generation_step(self, gen: Generation) -> TokenEvent:
         with self._lock:
@@ -711,9 +726,12 @@ class Runtime:
                     self._preempt = None
                     if not request.done:  # no step was running: a boundary or idle
                         self._check_open()
+                        # A turn claimed but not started committed nothing of its own: a
+                        # rollback counts from the newest boundary, as after a torn one.
+                        unstarted = self._active is not None and not self._active.started
                         if self._active is not None:
                             self._finish(self._active, 'interrupted')
-                        return run(False)
+                        return run(unstarted)
             finally:
                 self._preempt = None
                 engine.disarm_abort()
@@ -994,7 +1012,8 @@ class Runtime:
 
         preempt=True ends a running generation mid-step instead of raising BusyError; its
         uncommitted tokens are not a boundary, so rollback(1) lands on the newest committed
-        one (the end of the turn's prompt), as it does after a plain interrupt.
+        one (the end of the turn's prompt), as it does after a plain interrupt. A prompt cut
+        in the middle of its prefill was never committed: that turn lands before it.
         """
         if isinstance(boundaries, bool) or not isinstance(boundaries, int) or boundaries < 1:
             raise InvalidRequestError('boundaries must be an integer >= 1')
@@ -1018,7 +1037,12 @@ class Runtime:
             )
 
     def _rollback_locked(self, boundaries: int, t0: float, torn: bool) -> CapsuleInfo:
-        """Roll back (lock held); torn: the live state is past the newest boundary, uncommitted."""
+        """
+        Roll back (lock held).
+
+        torn: the turn just ended committed no end of its own (cut mid-step: the live state
+        is past the newest boundary; or claimed and never started), so count from the newest.
+        """
         self._check_open()
         skip = boundaries - 1 if torn else boundaries  # ring entries newer than the target
         self._check_rollback(skip)

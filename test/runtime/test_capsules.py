@@ -2,6 +2,8 @@
 
 import json
 import os
+import resource
+import signal
 import threading
 import weakref
 
@@ -362,6 +364,52 @@ def test_disk_budget_counts_file_bytes(make_runtime):
     assert not path.exists() and rt.stats()['tiers']['disk']['bytes_used'] == 0
 
 
+def test_a_failed_disk_write_replaces_and_evicts_nothing(make_runtime):
+    # A directory where the file goes makes the final rename fail, after the data is written.
+    sizing = make_runtime()
+    sizing.prefill(PROMPT)
+    size = sizing.snapshot('a', tier='disk').nbytes
+    sizing.delete_capsule('a')
+    rt = make_runtime(eviction='lru', disk_budget_bytes=2 * size)  # 'c' would evict 'a'
+    rt.prefill(PROMPT)
+    rt.snapshot('a', tier='disk')
+    rt.snapshot('b', tier='disk')
+    rt.snapshot('c', tier='device')
+    digest = rt.state_digest()
+    (rt.config.capsule_path / 'c.safetensors').mkdir()
+    with pytest.raises(FlashRTError, match='nothing was replaced or evicted'):
+        rt.snapshot('c', tier='disk')
+    assert {(i.name, i.tier) for i in rt.list_capsules()} == {
+        ('a', 'disk'), ('b', 'disk'), ('c', 'device')}
+    assert not [p for p in rt.config.capsule_path.iterdir() if p.name.startswith('.')]
+    assert rt.drain_evictions() == []
+    for name in ('a', 'c'):
+        rt.reset()
+        rt.restore(name)
+        assert rt.state_digest() == digest
+
+
+def test_a_disk_write_cut_short_keeps_the_old_file(make_runtime):
+    # A real short write: the file-size limit stops it part way (EFBIG), as a full disk would.
+    rt = make_runtime()
+    rt.prefill(PROMPT)
+    old = rt.snapshot('a', tier='disk')
+    digest = rt.state_digest()
+    rt.prefill(OTHER_PROMPT)  # a longer state: a bigger file
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (old.nbytes + 10, limit[1]))
+    try:
+        with pytest.raises(FlashRTError, match='could not be written'):
+            rt.snapshot('a', tier='disk')
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert rt.verify_capsule('a').position == old.position
+    rt.restore('a')
+    assert rt.state_digest() == digest
+
+
 @pytest.mark.parametrize(
     'name',
     [
@@ -374,6 +422,7 @@ def test_disk_budget_counts_file_bytes(make_runtime):
         'x' * 129,
         'semi;colon',
         'sp ace',
+        'trailing-newline\n',
         None,
         '@boundary-3',
     ],

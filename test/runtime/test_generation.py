@@ -1,6 +1,9 @@
 """Streaming generation: stop conditions, interrupt, and the one-writer rules across threads."""
 
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -180,6 +183,46 @@ def test_close_releases_an_abandoned_generation(make_runtime):
     gen.close()
     assert gen.result.stop_reason == 'interrupted' and not rt.generating
     rt.reset()
+
+
+def test_interrupt_ends_a_generation_nobody_iterates(make_runtime):
+    rt = make_runtime()
+    rt.prefill(PROMPT)
+    before = rt.state_digest()
+    dropped = rt.generate(prompt=' more', max_new_tokens=10)  # claimed, never iterated
+    with pytest.raises(BusyError, match='interrupt'):
+        rt.reset()
+    rt.interrupt()  # what the BusyError says to do
+    assert not rt.generating and dropped.result.stop_reason == 'interrupted'
+    assert rt.state_digest() == before  # its prompt never ran
+    with pytest.raises(StopIteration):
+        next(dropped)
+    for event in rt.generate(prompt=' more', max_new_tokens=10, stop=(), eos=False):
+        break  # left after a break, still referenced
+    rt.interrupt()
+    assert not rt.generating
+    rt.reset()
+
+
+def test_leaving_the_process_in_the_middle_of_a_stream_exits_cleanly(tmp_path):
+    # The end of a script (or Ctrl-C) while a turn streams: its generation is dropped at
+    # interpreter exit, when committing its boundary would touch half-torn-down torch state.
+    script = (
+        'import sys\n'
+        'from flashrt_ros.runtime import Runtime, RuntimeConfig\n'
+        f'rt = Runtime(RuntimeConfig(model="builtin:tiny-hybrid", max_seq_len=128, '
+        f'capsule_dir={str(tmp_path)!r}))\n'
+        'rt.prefill("You are a helpful robot.")\n'
+        'for i, event in enumerate(rt.generate("Hello", max_new_tokens=16)):\n'
+        '    if i == 3:\n'
+        '        raise KeyboardInterrupt\n'
+    )
+    env = dict(os.environ, PYTHONWARNINGS='ignore')
+    done = subprocess.run([sys.executable, '-c', script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    # Python ends on an unhandled KeyboardInterrupt by SIGINT (an abort would be SIGABRT).
+    assert done.returncode == -signal.SIGINT, done.stderr[-3000:]
+    assert 'KeyboardInterrupt' in done.stderr and 'terminate called' not in done.stderr
 
 
 def test_warmup_leaves_state_clean(make_runtime):

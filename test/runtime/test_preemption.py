@@ -173,6 +173,18 @@ def test_preempt_between_steps_and_when_idle(make_runtime):
     assert rt.state_digest() == home
 
 
+def test_preempting_rollback_of_a_turn_not_yet_started_undoes_nothing_before_it(make_runtime):
+    rt = make_runtime()
+    rt.prefill(PROMPT)
+    rt.prefill(OTHER)  # two committed boundaries; rollback(1) must not undo this one
+    digest = rt.state_digest()
+    rt.generate(prompt=' and', max_new_tokens=5)  # claimed; no step has run
+    info = rt.rollback(1, preempt=True)
+    assert rt.state_digest() == digest and info.position == rt.position
+    rt.rollback(1)  # the ring still holds the earlier boundary
+    assert rt.position == len(rt.tokenize(PROMPT))
+
+
 def test_a_bad_preemption_leaves_the_generation_running(make_runtime):
     rt = make_runtime()
     rt.prefill(PROMPT)
