@@ -61,6 +61,7 @@ FORMAT_VERSION = 2  # 2: arena prefix blobs (row-block layout)
 MAX_NAME_LEN = 128
 _NAME_RE = re.compile(r'[A-Za-z0-9][A-Za-z0-9_.\-]*')  # whole name: fullmatch
 _SUFFIX = '.safetensors'
+STALE_TEMP_S = 3600.0  # a write's temp file older than this was left by a killed process
 
 
 def validate_name(name: Any) -> str:
@@ -316,6 +317,22 @@ class CapsuleStore:
         self._mem: dict[str, Capsule] = {}  # device + host tiers
         self._lock = threading.RLock()  # store bookkeeping; independent of the step lock
         self._evicted: collections.deque[CapsuleInfo] = collections.deque(maxlen=256)
+        self._sweep_stale_temps()
+
+    def _sweep_stale_temps(self) -> None:
+        """Remove temp files of disk writes that a killed process left behind."""
+        try:
+            entries = list(os.scandir(self.dir))
+        except OSError:  # no capsule directory (yet)
+            return
+        cutoff = time.time() - STALE_TEMP_S  # a younger one may be another process's write
+        for entry in entries:
+            if entry.name.startswith('.') and entry.name.endswith('.tmp'):
+                try:
+                    if entry.stat().st_mtime < cutoff:
+                        os.unlink(entry.path)
+                except OSError:
+                    pass
 
     # ---- accounting ------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ import os
 import resource
 import signal
 import threading
+import time
 import weakref
 
 from conftest import greedy, OTHER_PROMPT, PROMPT
@@ -18,7 +19,7 @@ from flashrt_ros.runtime import (
     InvalidNameError,
     InvalidRequestError,
 )
-from flashrt_ros.runtime.capsule import _checksum, BlobPool
+from flashrt_ros.runtime.capsule import _checksum, BlobPool, STALE_TEMP_S
 import pytest
 from safetensors import safe_open
 from safetensors.torch import save
@@ -408,6 +409,17 @@ def test_a_disk_write_cut_short_keeps_the_old_file(make_runtime):
     assert rt.verify_capsule('a').position == old.position
     rt.restore('a')
     assert rt.state_digest() == digest
+
+
+def test_temp_files_a_killed_write_left_are_swept_at_start(make_runtime, tmp_path):
+    capsules = tmp_path / 'capsules'
+    capsules.mkdir()
+    old, fresh = capsules / '.a.x1.tmp', capsules / '.b.x2.tmp'
+    old.write_bytes(b'half a capsule')
+    fresh.write_bytes(b'another process is writing this one')
+    os.utime(old, (time.time() - 2 * STALE_TEMP_S,) * 2)
+    make_runtime(capsule_dir=str(capsules))
+    assert not old.exists() and fresh.exists()
 
 
 @pytest.mark.parametrize(
