@@ -14,6 +14,7 @@ from launch import LaunchDescription
 from launch.actions import DeclareLaunchArgument, OpaqueFunction
 from launch.substitutions import LaunchConfiguration
 from launch_ros.actions import LifecycleNode
+from launch_ros.parameter_descriptions import ParameterValue
 
 
 def _instances(context):
@@ -21,11 +22,9 @@ def _instances(context):
                   LaunchConfiguration('namespaces').perform(context).split(',') if ns.strip()]
     params_file = LaunchConfiguration('params_file').perform(context)
     capsule_root = LaunchConfiguration('capsule_root').perform(context)
-    overrides = {
-        'model': LaunchConfiguration('model').perform(context),
-        'device': LaunchConfiguration('device').perform(context),
-        'dtype': LaunchConfiguration('dtype').perform(context),
-    }
+    # value_type=str: a model path or id must never be parsed as YAML (e.g. as a number)
+    overrides = {key: ParameterValue(LaunchConfiguration(key).perform(context), value_type=str)
+                 for key in ('model', 'device', 'dtype')}
     return [
         LifecycleNode(
             package='flashrt_ros',
