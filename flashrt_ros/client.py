@@ -3,8 +3,9 @@ A Python client over the flashrt node's services, action and topics.
 
 Every call waits with a timeout and returns the node's answer (or raises TimeoutError);
 nothing loops forever. The client spins its own node on a background MultiThreadedExecutor,
-so its methods may be called from any thread, including from inside a token or event
-callback (a service call made there does not deadlock).
+so its methods may be called from any thread, including from inside a token, event or goal
+feedback callback (a service call or a goal sent from there does not deadlock). Each
+callback sees its messages one at a time, in the order they arrived.
 
     client = FlashRTClient()                    # talks to /flashrt
     client.wait_until_active(timeout=60.0)
@@ -20,6 +21,7 @@ Policy mode: `subscribe_actions(cb)`, then `publish_joint_state(names, position,
 
 import itertools
 import os
+import queue
 import threading
 import time
 
@@ -30,7 +32,7 @@ from flashrt_ros.srv import DeleteCapsule, Fork, ListCapsules, Restore, Rollback
 from lifecycle_msgs.srv import ChangeState, GetState
 import rclpy
 from rclpy.action import ActionClient
-from rclpy.callback_groups import ReentrantCallbackGroup
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.context import Context
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
@@ -140,6 +142,10 @@ class FlashRTClient:
         self.base = '/' + base
         self.node = rclpy.create_node(f'flashrt_client_{os.getpid()}_{next(_counter)}',
                                       context=context)
+        # Service clients are reentrant, so a call made from inside a callback is answered
+        # on another thread. Each subscription and the action client get a group of their
+        # own: their callbacks run one at a time, in the order the messages arrived. Goal
+        # feedback callbacks run on a thread of their own (see _deliver_feedback).
         group = ReentrantCallbackGroup()
         n = self.node
 
@@ -155,7 +161,8 @@ class FlashRTClient:
         self._digest = service(Trigger, 'state_digest')
         self._get_state = service(GetState, 'get_state')
         self._change_state = service(ChangeState, 'change_state')
-        self._generate = ActionClient(n, Generate, f'{self.base}/generate', callback_group=group)
+        self._generate = ActionClient(n, Generate, f'{self.base}/generate',
+                                      callback_group=MutuallyExclusiveCallbackGroup())
         self._prompt_pub = n.create_publisher(String, f'{self.base}/prompt', COMMAND_QOS)
         self._interrupt_pub = n.create_publisher(Interrupt, f'{self.base}/interrupt',
                                                  INTERRUPT_QOS)
@@ -164,8 +171,11 @@ class FlashRTClient:
                                                    COMMAND_QOS)
         self._vector_pub = n.create_publisher(Float32MultiArray,
                                               f'{self.base}/observation_vector', COMMAND_QOS)
-        self._group = group
 
+        self._feedback = queue.SimpleQueue()  # (feedback_callback, chunk), in arrival order
+        self._feedback_thread = threading.Thread(target=self._deliver_feedback,
+                                                 name='flashrt-client-feedback', daemon=True)
+        self._feedback_thread.start()
         self._executor = MultiThreadedExecutor(num_threads=4, context=context)
         self._executor.add_node(n)
         self._closing = False
@@ -175,6 +185,21 @@ class FlashRTClient:
     def _spin(self):
         spin_until_shutdown(self._executor, self.node.get_logger(),
                             lambda: self._closing or not self.context.ok())
+
+    def _deliver_feedback(self):
+        """
+        Run goal feedback callbacks in order until None arrives (the feedback thread).
+
+        Not on the executor: the action client answers goals, cancels and results one
+        callback at a time, so a feedback callback that sent the next goal or a cancel from
+        there would wait for an answer that could only come after it returned.
+        """
+        while (item := self._feedback.get()) is not None:
+            callback, chunk = item
+            try:
+                callback(chunk)
+            except Exception as exc:
+                self.node.get_logger().error(f'feedback callback failed: {exc!r}')
 
     # ---- waiting -----------------------------------------------------------------------
 
@@ -271,7 +296,8 @@ class FlashRTClient:
         """
         Send a ~/generate goal and return a GoalRun once the node accepted or rejected it.
 
-        feedback_callback(TokenChunk) runs for every chunk; the last one has final=True
+        feedback_callback(TokenChunk) runs for every chunk, in order, on the client's feedback
+        thread (it may call any method, start_generate included); the last one has final=True
         (rebuilt from the result when the middleware dropped it, once result() returns).
         """
         timeout = self.timeout if timeout is None else timeout
@@ -287,7 +313,7 @@ class FlashRTClient:
         def on_chunk(chunk):
             chunks.append(chunk)
             if feedback_callback is not None:
-                feedback_callback(chunk)
+                self._feedback.put((feedback_callback, chunk))
 
         future = self._generate.send_goal_async(
             goal, feedback_callback=lambda message: on_chunk(message.feedback.chunk))
@@ -329,17 +355,20 @@ class FlashRTClient:
     def subscribe_actions(self, callback):
         """Call callback(ActionChunk) for every message on ~/actions; return the subscription."""
         return self.node.create_subscription(ActionChunk, f'{self.base}/actions', callback,
-                                             COMMAND_QOS, callback_group=self._group)
+                                             COMMAND_QOS,
+                                             callback_group=MutuallyExclusiveCallbackGroup())
 
     def subscribe_tokens(self, callback):
         """Call callback(TokenChunk) for every chunk on ~/tokens; return the subscription."""
         return self.node.create_subscription(TokenChunk, f'{self.base}/tokens', callback,
-                                             STREAM_QOS, callback_group=self._group)
+                                             STREAM_QOS,
+                                             callback_group=MutuallyExclusiveCallbackGroup())
 
     def subscribe_events(self, callback):
         """Call callback(CapsuleEvent) for every event on ~/events; return the subscription."""
         return self.node.create_subscription(CapsuleEvent, f'{self.base}/events', callback,
-                                             STREAM_QOS, callback_group=self._group)
+                                             STREAM_QOS,
+                                             callback_group=MutuallyExclusiveCallbackGroup())
 
     def wait_for_subscribers(self, timeout=5.0):
         """Wait until the node subscribes to its command and observation topics."""
@@ -357,6 +386,8 @@ class FlashRTClient:
         self._closing = True
         self._executor.shutdown(timeout_sec=2.0)
         self._spinner.join(timeout=2.0)
+        self._feedback.put(None)
+        self._feedback_thread.join(timeout=2.0)
         self.node.destroy_node()
         if self._own_context:
             rclpy.try_shutdown(context=self.context)

@@ -12,8 +12,8 @@ Concurrency
     digest, diagnostics) use a separate reentrant group and never wait for the writers.
   * A restore or rollback *service* never waits for a generation: while one runs it answers
     success=false (a service must not block for an unbounded turn). ~/interrupt and ~/reset
-    stop the generation (runtime.interrupt(), effective before the next decode step), wait
-    for the generation thread to reach that step boundary, then restore.
+    end the generation (STOP at its next step boundary, ROLLBACK/RESTORE mid-step: see
+    _stop_and_apply) and publish their event once the turn is over.
   * The generation thread never waits on the executor, so a client that calls a service from
     inside its token callback cannot deadlock the node.
 
@@ -196,6 +196,8 @@ class _Turn:
         self.goal = goal                  # Generate.Goal (a ~/prompt message becomes one too)
         self.goal_handle = goal_handle    # None for ~/prompt turns
         self.cancel_requested = False     # set by the action's cancel callback
+        self.settled = False              # outcome fixed: a cancel is refused (under _cv)
+        self.replaced = ''                # set when an interrupt or reset replaced the state
         self.result = Generate.Result()
         self.done = threading.Event()
         self.turn_id = 0                  # set when the generation thread starts it
@@ -223,7 +225,8 @@ class FlashRTNode(LifecycleNode):
         self._worker = None
         self._worker_stop = False
         self.tune_switch_interval = False  # main() sets it: see SWITCH_INTERVAL_DECODING_S
-        self._turns_by_goal = {}
+        self._turns_by_goal = {}            # guarded by _cv
+        self._early_cancels = set()         # goal ids cancelled before their turn existed
         self._turn_id = 0
         self._event_queue = queue.SimpleQueue()
         self._event_thread = threading.Thread(target=self._event_loop, name='flashrt-events',
@@ -537,8 +540,9 @@ class FlashRTNode(LifecycleNode):
 
     # ---- events and errors -----------------------------------------------------------
 
-    def _publish_event(self, operation, name, tier, size_bytes, latency_ms, success, message):
-        """Queue a CapsuleEvent, stamped now, for the events thread to publish (in order)."""
+    def _publish_event(self, operation, name, tier, size_bytes, latency_ms, success, message,
+                       stamp=None):
+        """Queue a CapsuleEvent, stamped now (or `stamp`), for the events thread to publish."""
         if not self._active:
             return
         rt = self._runtime
@@ -546,7 +550,7 @@ class FlashRTNode(LifecycleNode):
                   'size_bytes': max(0, int(size_bytes)), 'latency_ms': float(latency_ms),
                   'position': int(rt.position) if rt is not None else 0,
                   'success': bool(success), 'message': message}
-        self._event_queue.put((fields, self.get_clock().now()))
+        self._event_queue.put((fields, stamp or self.get_clock().now()))
 
     def _event_loop(self):
         """
@@ -630,21 +634,27 @@ class FlashRTNode(LifecycleNode):
                 self._cv.notify_all()
 
     @contextlib.contextmanager
-    def _generation_stopped(self):
-        """Stop the running generation at its next step; yield whether it stopped in time."""
+    def _turns_held(self):
+        """Keep queued turns from starting; yield the running turn (None when idle)."""
         with self._cv:
             self._holds += 1
+            turn = self._current
         try:
-            if self._runtime is not None:
-                self._runtime.interrupt()
-            with self._cv:
-                stopped = self._cv.wait_for(lambda: self._current is None,
-                                            self._param('interrupt_timeout'))
-            yield stopped
+            yield turn
         finally:
             with self._cv:
                 self._holds -= 1
                 self._cv.notify_all()
+
+    @contextlib.contextmanager
+    def _generation_stopped(self):
+        """Stop the running generation at its next step; yield whether it ended in time."""
+        with self._turns_held() as turn:
+            if self._runtime is not None:
+                self._runtime.interrupt()
+            # Ended means done, not just counted out: its final chunk is published (a
+            # deactivate must not disable ~/tokens before that) and its result is ready.
+            yield turn is None or turn.done.wait(self._param('interrupt_timeout'))
 
     # ---- capsule services ------------------------------------------------------------
 
@@ -787,6 +797,7 @@ class FlashRTNode(LifecycleNode):
         self._interrupted_at = max(self._interrupted_at, received)
         self._latest_observation = None
         rt = self._runtime
+        replaced_at = None
         try:
             if mode == Interrupt.STOP:
                 with self._generation_stopped() as stopped:
@@ -795,14 +806,10 @@ class FlashRTNode(LifecycleNode):
                                            'within interrupt_timeout; raise it or check the '
                                            'node log')
                     message = f'stopped at position {rt.position}'
-            elif mode == Interrupt.ROLLBACK:
-                info = rt.rollback(boundaries, preempt=True)
+            elif mode in (Interrupt.ROLLBACK, Interrupt.RESTORE):
+                info, message, replaced_at = self._replace_state(operation, mode, boundaries,
+                                                                 capsule)
                 name, tier, nbytes = info.name, info.tier, info.nbytes
-                message = f'stopped and rolled back {boundaries} to position {info.position}'
-            elif mode == Interrupt.RESTORE:
-                info = rt.restore(capsule, preempt=True)
-                name, tier, nbytes = info.name, info.tier, info.nbytes
-                message = f'stopped and restored {capsule!r} at position {info.position}'
             else:
                 raise FlashRTError(f'interrupt mode {mode} is not valid; use 0 (POLICY), '
                                    '1 (STOP), 2 (ROLLBACK) or 3 (RESTORE)')
@@ -816,11 +823,43 @@ class FlashRTNode(LifecycleNode):
                 with self._generation_stopped():
                     message += f'; stopped at position {rt.position} instead'
             self.get_logger().warning(message)
-        latency_ms = (time.time() - received) * 1e3
+        wall, stamp = replaced_at or (time.time(), None)
         if reason:
             message += f' (reason: {reason})'
-        self._publish_event(operation, name or capsule, tier, nbytes, latency_ms, success,
-                            message)
+        self._publish_event(operation, name or capsule, tier, nbytes, (wall - received) * 1e3,
+                            success, message, stamp)
+
+    def _replace_state(self, operation, mode, boundaries, capsule):
+        """
+        Roll back or restore now, ending a running turn mid-step; return (info, message, at).
+
+        The running turn is marked first, so that it does not save_as the state put in its
+        place. Queued turns are held back until it is over, and only then does the caller
+        publish its event: a client that chains a restore or a goal on the event must not
+        find the node busy. `at` is (wall time, ROS time) of the restore itself, for the
+        event's latency and stamp.
+        """
+        who = 'a reset' if operation == 'reset' else 'an interrupt'
+        what = (f'rolled back {boundaries} boundaries' if mode == Interrupt.ROLLBACK
+                else f'restored {capsule!r}')
+        with self._turns_held() as turn:
+            if turn is not None:
+                turn.replaced = f'{who} {what}'
+            try:
+                if mode == Interrupt.ROLLBACK:
+                    info = self._runtime.rollback(boundaries, preempt=True)
+                    message = f'stopped and rolled back {boundaries} to position {info.position}'
+                else:
+                    info = self._runtime.restore(capsule, preempt=True)
+                    message = f'stopped and restored {capsule!r} at position {info.position}'
+            except Exception:
+                if turn is not None:
+                    turn.replaced = ''  # refused (checked before anything stopped)
+                raise
+            at = time.time(), self.get_clock().now()
+            if turn is not None and not turn.done.wait(self._param('interrupt_timeout')):
+                message += '; the interrupted turn did not end within interrupt_timeout'
+        return info, message, at
 
     # ---- policy mode: observations in, actions out --------------------------------------
 
@@ -947,36 +986,67 @@ class FlashRTNode(LifecycleNode):
     def _handle_accepted_callback(self, goal_handle):
         # The goal stays ACCEPTED (not EXECUTING) while queued; the generation thread calls
         # goal_handle.execute() when it starts the turn.
+        key = bytes(goal_handle.goal_id.uuid)
         turn = _Turn(goal_handle.request, goal_handle)
-        self._turns_by_goal[bytes(goal_handle.goal_id.uuid)] = turn
+        with self._cv:
+            self._turns_by_goal[key] = turn
+            if key in self._early_cancels:
+                self._early_cancels.discard(key)
+                turn.cancel_requested = True
         self._enqueue(turn)
 
     def _cancel_callback(self, goal_handle):
-        turn = self._turns_by_goal.get(bytes(goal_handle.goal_id.uuid))
-        if turn is None:
-            return CancelResponse.REJECT
-        turn.cancel_requested = True
-        if self._current is turn and self._runtime is not None:
+        key = bytes(goal_handle.goal_id.uuid)
+        with self._cv:
+            turn = self._turns_by_goal.get(key)
+            if turn is None:
+                # rclpy answers a goal before it calls _handle_accepted_callback: a cancel
+                # sent as soon as the goal is accepted can come first. Remember it; the
+                # turn then ends before it starts.
+                if not goal_handle.is_active:
+                    return CancelResponse.REJECT
+                self._early_cancels.add(key)
+                return CancelResponse.ACCEPT
+            if turn.settled:  # over, or about to say so: a cancel would only relabel it
+                return CancelResponse.REJECT
+            turn.cancel_requested = True
+            queued = turn in self._queue
+            if queued:  # end it now rather than when the running turn ends
+                self._queue.remove(turn)
+                self._reserved -= 1
+                turn.settled = True
+            running = self._current is turn
+        if queued:
+            self._finish_unstarted(turn, True, 'cancelled before it started')
+        elif running and self._runtime is not None:
             self._runtime.interrupt()  # takes effect before the next decode step
         return CancelResponse.ACCEPT
 
     def _execute_callback(self, goal_handle):
         """Wait for the generation thread to finish this goal's turn; report the result."""
         key = bytes(goal_handle.goal_id.uuid)
-        turn = self._turns_by_goal.get(key)
+        with self._cv:
+            turn = self._turns_by_goal.get(key)
         if turn is None:
             goal_handle.abort()
             return Generate.Result(success=False, message='unknown goal', stop_reason='error')
         while not turn.done.wait(0.2):
             if not self.context.ok():
                 break
-        self._turns_by_goal.pop(key, None)
+        if turn.cancel_requested:
+            # rclpy moves the goal to CANCELING only after _cancel_callback returns, and a
+            # turn cancelled before it started can be over before that.
+            deadline = time.monotonic() + 1.0
+            while not goal_handle.is_cancel_requested and time.monotonic() < deadline:
+                time.sleep(0.001)
         if goal_handle.is_cancel_requested:
             goal_handle.canceled()
         elif turn.result.success:
             goal_handle.succeed()
         else:
             goal_handle.abort()
+        with self._cv:  # after the final status: a cancel until then finds the turn settled
+            self._turns_by_goal.pop(key, None)
         return turn.result
 
     def _prompt_callback(self, msg):
@@ -988,12 +1058,17 @@ class FlashRTNode(LifecycleNode):
 
     def _enqueue(self, turn):
         with self._cv:
-            if self._active and self._worker is not None:
+            cancelled = turn.cancel_requested  # see _cancel_callback
+            if self._active and self._worker is not None and not cancelled:
                 self._queue.append(turn)
                 self._cv.notify_all()
                 return
             self._reserved -= 1
-        self._finish_unstarted(turn, False, self._not_active_message())
+            turn.settled = True
+        if cancelled:
+            self._finish_unstarted(turn, True, 'cancelled before it started')
+        else:
+            self._finish_unstarted(turn, False, self._not_active_message())
 
     def _finish_unstarted(self, turn, success, message):
         turn.result = Generate.Result(success=success, message=message,
@@ -1001,13 +1076,27 @@ class FlashRTNode(LifecycleNode):
                                       position=self._position())
         turn.done.set()
         if turn.goal_handle is not None:
-            turn.goal_handle.execute()  # runs _execute_callback, which reports the result
+            self._execute_goal(turn.goal_handle)
+
+    @staticmethod
+    def _execute_goal(goal_handle):
+        """Mark the goal executing and schedule _execute_callback, which reports the result."""
+        try:
+            goal_handle.execute()
+        except Exception:
+            # A cancel moved the goal to CANCELING between execute()'s check for one and
+            # its own move to EXECUTING; called again, it only schedules the callback.
+            if not goal_handle.is_cancel_requested:
+                raise
+            goal_handle.execute()
 
     def _drop_queued(self, message):
         with self._cv:
             dropped = list(self._queue)
             self._queue.clear()
             self._reserved -= len(dropped)
+            for turn in dropped:
+                turn.settled = True
             self._cv.notify_all()
         for turn in dropped:
             self._finish_unstarted(turn, False, message)
@@ -1064,6 +1153,7 @@ class FlashRTNode(LifecycleNode):
                 with self._cv:
                     self._current = None
                     self._reserved -= 1
+                    turn.settled = True
                     self._cv.notify_all()
                 # The final chunk says the turn is over: everything it does (save_as, the
                 # cancel policy) is done, and the node takes the next goal or ~/prompt
@@ -1077,7 +1167,7 @@ class FlashRTNode(LifecycleNode):
     def _run_turn(self, turn):
         goal, rt = turn.goal, self._runtime
         if turn.goal_handle is not None:
-            turn.goal_handle.execute()
+            self._execute_goal(turn.goal_handle)
         if turn.cancel_requested:
             turn.result = Generate.Result(success=True, stop_reason='interrupted',
                                           message='cancelled before it started',
@@ -1137,11 +1227,17 @@ class FlashRTNode(LifecycleNode):
         res = gen.result
         turn.final = ids, ''.join(pieces), res.stop_reason
         success, message = True, f'{len(res.token_ids)} tokens, stop reason {res.stop_reason}'
-        if goal.save_as:
+        if goal.save_as and turn.replaced:  # the live state is no longer this turn's
+            success = False
+            message += f'; save_as {goal.save_as!r} skipped: {turn.replaced} during the turn'
+        elif goal.save_as:
             saved = self._save_turn(goal.save_as, goal.save_tier or 'device')
             success = not saved.startswith('save_as')
             message += f'; {saved}'
-        if turn.cancel_requested:
+        with self._cv:  # from here a cancel is refused: it could no longer change the outcome
+            turn.settled = True
+            cancelled = turn.cancel_requested
+        if cancelled:
             message += '; cancelled, ' + self._apply_cancel_policy()
         turn.result = Generate.Result(
             success=success, message=message, text=res.text, token_ids=list(res.token_ids),
@@ -1197,8 +1293,13 @@ class FlashRTNode(LifecycleNode):
         chunk = TokenChunk(turn_id=turn.turn_id, index=index, token_ids=list(ids), text=text,
                            final=final, stop_reason=stop_reason)
         chunk.header.stamp = self.get_clock().now().to_msg()
-        if self._active:
-            self._tokens_pub.publish(chunk)
+        # The final chunk goes out while deactivating too: the lifecycle publisher stays
+        # enabled until the transition ends (and drops what comes later).
+        if self._active or final:
+            try:
+                self._tokens_pub.publish(chunk)
+            except Exception as exc:  # e.g. the node is being destroyed
+                self.get_logger().warning(f'could not publish a token chunk: {exc!r}')
         if turn.goal_handle is not None:
             turn.goal_handle.publish_feedback(Generate.Feedback(chunk=chunk))
 

@@ -14,6 +14,7 @@ from rclpy.qos import QoSProfile, ReliabilityPolicy
 
 BUSY = 'a generation is running; cancel it or publish ~/interrupt'
 LONG = 600  # tokens: a turn that is still running when the test acts on it
+# (this prompt runs to max_new_tokens from home; 'Tell me a long story.' stops after 24)
 
 
 def _wait(predicate, timeout=10.0):
@@ -26,7 +27,7 @@ def _wait(predicate, timeout=10.0):
 
 
 def _start_long(client, **kwargs):
-    run = client.start_generate('Tell me a long story.', max_new_tokens=LONG, **kwargs)
+    run = client.start_generate('Describe the room.', max_new_tokens=LONG, **kwargs)
     assert run.accepted
     assert _wait(lambda: len(run.chunks) >= 2), 'no tokens streamed'
     return run
@@ -379,3 +380,68 @@ def test_generation_survives_parallel_queries(client, at_home):
     run.result(30.0)
     assert not errors and len(digests) == 5
     assert len(set(digests)) > 1  # each digest is a different step boundary
+
+
+@pytest.mark.parametrize('replace', ['interrupt', 'reset'])
+def test_replaced_state_is_not_saved_as(client, at_home, replace):
+    """A turn whose state an interrupt or reset replaced does not save_as the new state."""
+    run = _start_long(client, save_as='replaced')
+    if replace == 'interrupt':
+        client.interrupt(mode=Interrupt.RESTORE, capsule=HOME, reason='barge-in')
+        says = "an interrupt restored 'home'"
+    else:
+        client.reset()
+        says = "a reset restored 'home'"
+    outcome = run.result(30.0)
+    assert outcome.status == GoalStatus.STATUS_ABORTED
+    assert not outcome.result.success and outcome.result.stop_reason == 'interrupted'
+    assert f"save_as 'replaced' skipped: {says} during the turn" in outcome.result.message
+    assert 'replaced' not in {c.name for c in client.list_capsules().capsules}
+    assert client.state_digest() == at_home
+
+
+def test_client_callbacks_one_at_a_time_in_order(client, at_home):
+    """A consumer that takes a few ms per chunk sees ~/tokens and the feedback in order."""
+    seen = {'tokens': [], 'feedback': []}
+    inside = {'tokens': 0, 'feedback': 0}
+    most = {'tokens': 0, 'feedback': 0}
+    lock = threading.Lock()
+
+    def consumer(kind):
+        def consume(chunk):
+            with lock:
+                inside[kind] += 1
+                most[kind] = max(most[kind], inside[kind])
+            seen[kind].append((chunk.turn_id, chunk.index))
+            time.sleep(0.004)  # speech synthesis, a UI update
+            with lock:
+                inside[kind] -= 1
+        return consume
+
+    sub = client.subscribe_tokens(consumer('tokens'))
+    time.sleep(0.3)
+    try:
+        outcome = client.generate('Go.', max_new_tokens=60, feedback_callback=consumer('feedback'),
+                                  timeout=60.0)
+        assert _wait(lambda: len(seen['tokens']) >= 61 and len(seen['feedback']) >= 61)
+    finally:
+        client.node.destroy_subscription(sub)
+    assert len(outcome.token_ids) == 60
+    for kind in ('tokens', 'feedback'):
+        assert seen[kind] == sorted(seen[kind]), f'{kind} out of order'
+        assert most[kind] == 1, f'{kind}: {most[kind]} callbacks at once'
+
+
+def test_goal_sent_from_feedback_callback(client, at_home):
+    """A feedback callback may send the next goal (it does not block the action client)."""
+    chained = []
+
+    def on_chunk(chunk):
+        if chunk.final and not chained:
+            chained.append(client.start_generate('Next.', max_new_tokens=2, timeout=5.0))
+
+    outcome = client.generate('First.', max_new_tokens=3, feedback_callback=on_chunk)
+    assert outcome.result.success
+    assert _wait(lambda: chained, 10.0)
+    assert chained[0].accepted
+    assert chained[0].result(30.0).result.success
