@@ -17,6 +17,16 @@ NODE_A_PARAMS = {
 }
 
 
+def wait_until(predicate, timeout=10.0):
+    """Poll predicate every 10 ms; return whether it came true within timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def start_client(node='flashrt', timeout=20.0):
     """Return a FlashRTClient with its own rclpy context."""
     from flashrt_ros.client import FlashRTClient

@@ -5,7 +5,7 @@ import time
 
 from action_msgs.msg import GoalStatus
 from flashrt_ros.msg import Interrupt
-from node_harness import HOME
+from node_harness import HOME, wait_until as _wait
 import pytest
 from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
 from rcl_interfaces.srv import SetParameters
@@ -15,15 +15,6 @@ from rclpy.qos import QoSProfile, ReliabilityPolicy
 BUSY = 'a generation is running; cancel it or publish ~/interrupt'
 LONG = 600  # tokens: a turn that is still running when the test acts on it
 # (this prompt runs to max_new_tokens from home; 'Tell me a long story.' stops after 24)
-
-
-def _wait(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def _start_long(client, **kwargs):

@@ -14,7 +14,7 @@ import time
 from action_msgs.msg import GoalStatus
 from flashrt_ros.msg import Interrupt
 from flashrt_ros.spin import spin_until_shutdown
-from node_harness import HOME, NODE_A_PARAMS, start_client
+from node_harness import HOME, NODE_A_PARAMS, start_client, wait_until as _wait
 import pytest
 import rclpy
 from rclpy.executors import MultiThreadedExecutor
@@ -24,15 +24,6 @@ from rclpy.signals import SignalHandlerOptions
 NAME = 'flashrt_probe'
 DELAY = 0.3  # seconds a slowed step takes
 LONG_PROMPT = 'Describe the room.'  # runs to max_new_tokens from home (no early eos)
-
-
-def _wait(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def _slow_down(node, delays):
