@@ -227,6 +227,7 @@ class FlashRTNode(LifecycleNode):
         self.tune_switch_interval = False  # main() sets it: see SWITCH_INTERVAL_DECODING_S
         self._turns_by_goal = {}            # guarded by _cv
         self._early_cancels = set()         # goal ids cancelled before their turn existed
+        self._start_lock = threading.Lock()  # a turn's start_from restore vs an interrupt
         self._turn_id = 0
         self._event_queue = queue.SimpleQueue()
         self._event_thread = threading.Thread(target=self._event_loop, name='flashrt-events',
@@ -826,8 +827,9 @@ class FlashRTNode(LifecycleNode):
         wall, stamp = replaced_at or (time.time(), None)
         if reason:
             message += f' (reason: {reason})'
-        self._publish_event(operation, name or capsule, tier, nbytes, (wall - received) * 1e3,
-                            success, message, stamp)
+        name = name or (capsule if mode == Interrupt.RESTORE else '')  # STOP names none
+        self._publish_event(operation, name, tier, nbytes, (wall - received) * 1e3, success,
+                            message, stamp)
 
     def _replace_state(self, operation, mode, boundaries, capsule):
         """
@@ -844,7 +846,8 @@ class FlashRTNode(LifecycleNode):
                 else f'restored {capsule!r}')
         with self._turns_held() as turn:
             if turn is not None:
-                turn.replaced = f'{who} {what}'
+                with self._start_lock:  # after its start_from restore, if that has begun
+                    turn.replaced = f'{who} {what}'
             try:
                 if mode == Interrupt.ROLLBACK:
                     info = self._runtime.rollback(boundaries, preempt=True)
@@ -1174,7 +1177,7 @@ class FlashRTNode(LifecycleNode):
                                           position=self._position())
             turn.final = [], '', 'interrupted'
             return
-        failure = self._prepare_turn(goal)
+        failure = self._prepare_turn(turn)
         if failure:
             turn.result = Generate.Result(success=False, stop_reason='error', message=failure,
                                           position=self._position())
@@ -1244,16 +1247,20 @@ class FlashRTNode(LifecycleNode):
             stop_reason=res.stop_reason, time_to_first_token_ms=res.ttft_s * 1e3,
             tokens_per_second=res.tokens_per_s, position=self._position())
 
-    def _prepare_turn(self, goal):
+    def _prepare_turn(self, turn):
         """Restore the goal's start_from capsule; return an error message or ''."""
+        goal = turn.goal
         if not goal.start_from:
             return ''
-        try:
-            info = self._runtime.restore(goal.start_from)
-        except FlashRTError as exc:
-            message = f'start_from {goal.start_from!r} failed: {exc}'
-            self._publish_event('restore', goal.start_from, '', 0, 0.0, False, message)
-            return message
+        with self._start_lock:
+            if turn.replaced:  # an interrupt's restore came first: it wins, the turn ends
+                return ''
+            try:
+                info = self._runtime.restore(goal.start_from)
+            except FlashRTError as exc:
+                message = f'start_from {goal.start_from!r} failed: {exc}'
+                self._publish_event('restore', goal.start_from, '', 0, 0.0, False, message)
+                return message
         self._publish_event('restore', info.name, info.tier, info.nbytes, info.latency_s * 1e3,
                             True, f'start_from {info.name!r} at position {info.position}')
         return ''

@@ -167,6 +167,7 @@ def test_interrupt_stop_keeps_the_boundary(client, at_home, events):
     event = events.wait_for(lambda e: e.operation == 'interrupt', start=start)
     assert event is not None and event.success
     assert event.position == outcome.result.position
+    assert event.name == ''  # no capsule is involved in a STOP
     assert client.state_digest() != at_home
 
 

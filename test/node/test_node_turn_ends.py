@@ -51,8 +51,15 @@ def _slow_down(node, delays):
 
     node._action_server.register_handle_accepted_callback(slow_accepted)
     node._action_server.register_cancel_callback(slow_cancel)
+    prepare_turn = node._prepare_turn
+
+    def slow_prepare_turn(turn):
+        time.sleep(delays['prepare'])  # before the goal's start_from restore
+        return prepare_turn(turn)
+
     node._run_turn = slow_run_turn
     node._publish_chunk = slow_publish_chunk
+    node._prepare_turn = slow_prepare_turn
 
 
 @pytest.fixture(scope='module')
@@ -70,7 +77,7 @@ def probe(tmp_path_factory):
     spinner = threading.Thread(target=spin_until_shutdown, daemon=True,
                                args=(executor, node.get_logger(), stopping.is_set))
     delays = dict.fromkeys(('accepted', 'cancel_return', 'turn_end', 'before_final',
-                            'after_final'), 0.0)
+                            'after_final', 'prepare'), 0.0)
     _slow_down(node, delays)
     client = None
     try:
@@ -181,7 +188,32 @@ def test_interrupt_event_comes_after_the_turn(probe, slowed, mode):
         client.node.destroy_subscription(sub)
 
 
-def test_deactivate_publishes_the_final_chunk(probe, slowed):
+def test_interrupt_during_start_from_wins(probe, slowed):
+    """A RESTORE interrupt that lands before a goal's start_from restore is the state after."""
+    client, _, _ = probe
+    home = client.state_digest()
+    assert client.generate('Go somewhere else.', max_new_tokens=3).result.success
+    assert client.snapshot('elsewhere').success
+    assert client.restore(HOME).success
+    events = []
+    sub = client.subscribe_events(events.append)
+    time.sleep(0.3)
+    try:
+        slowed['prepare'] = DELAY
+        run = client.start_generate('Go on.', max_new_tokens=50, start_from='elsewhere')
+        assert run.accepted
+        time.sleep(DELAY / 3)  # the turn has started and waits to restore 'elsewhere'
+        client.interrupt(mode=Interrupt.RESTORE, capsule=HOME, reason='barge-in')
+        assert _wait(lambda: any(e.operation == 'interrupt' for e in events))
+        outcome = run.result(30.0)
+        assert outcome.result.stop_reason == 'interrupted' and not outcome.token_ids
+        assert client.state_digest() == home, "start_from replaced the interrupt's restore"
+    finally:
+        client.node.destroy_subscription(sub)
+        assert client.delete_capsule('elsewhere').success
+
+
+
     """~/tokens gets the final chunk of a turn that a deactivate stops."""
     client, _, _ = probe
     tokens = []
