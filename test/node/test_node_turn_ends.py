@@ -213,7 +213,7 @@ def test_interrupt_during_start_from_wins(probe, slowed):
         assert client.delete_capsule('elsewhere').success
 
 
-
+def test_deactivate_publishes_the_final_chunk(probe, slowed):
     """~/tokens gets the final chunk of a turn that a deactivate stops."""
     client, _, _ = probe
     tokens = []
