@@ -35,6 +35,7 @@ Policy mode (parameter `mode: policy`, a policy model such as builtin:tiny-polic
 
 import collections
 import contextlib
+import functools
 import gc
 import queue
 import signal
@@ -64,6 +65,7 @@ from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, qos_policy_name_from_kind
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from rclpy.signals import SignalHandlerOptions
+from rclpy.subscription import Subscription
 from sensor_msgs.msg import JointState
 from std_msgs.msg import Empty, Float32MultiArray, String
 from std_srvs.srv import Trigger
@@ -189,6 +191,15 @@ def _info_msg(info, msg=None):
     return msg
 
 
+# rclpy passes a MessageInfo (the middleware's receipt time) to two-argument subscription
+# callbacks from Iron on; Humble calls callback(msg), and the node then uses its own clock.
+_MESSAGE_INFO = hasattr(Subscription, 'CallbackType')
+
+
+def _without_info(callback, msg):
+    callback(msg, None)
+
+
 class _Turn:
     """One generation turn waiting for, or running on, the generation thread."""
 
@@ -284,6 +295,8 @@ class FlashRTNode(LifecycleNode):
              None),
         )
         for msg_type, topic, callback, qos, events in subscriptions:
+            if not _MESSAGE_INFO and callback.__code__.co_argcount == 3:  # (self, msg, info)
+                callback = functools.partial(_without_info, callback)
             self.create_subscription(msg_type, topic, callback, qos, callback_group=state,
                                      event_callbacks=events)
         period = self.get_parameter('diagnostics_period').value
@@ -486,6 +499,7 @@ class FlashRTNode(LifecycleNode):
         """Stop the running generation at its next step and drop queued turns."""
         with self._cv:
             self._active = False
+        self._forget_observations()  # an observation pending now is stale after activate
         self._drop_queued('the node was deactivated before the turn started')
         with self._generation_stopped() as stopped:
             if not stopped:
@@ -676,6 +690,7 @@ class FlashRTNode(LifecycleNode):
         def op():
             with self._exclusive():
                 info = self._runtime.restore(request.name, mode)
+                self._forget_observations()
             _info_msg(info, response.capsule)
             response.latency_ms = info.latency_s * 1e3
             return info, (f'restored {info.name!r} ({mode}) from {info.tier}: position '
@@ -697,6 +712,7 @@ class FlashRTNode(LifecycleNode):
         def op():
             with self._exclusive():
                 info = self._runtime.rollback(boundaries)
+                self._forget_observations()
             _info_msg(info, response.capsule)
             response.position = int(info.position)
             response.latency_ms = info.latency_s * 1e3
@@ -782,6 +798,11 @@ class FlashRTNode(LifecycleNode):
         received = stamp / 1e9
         return received if now - 10.0 < received <= now + 0.001 else now
 
+    def _forget_observations(self, before=None):
+        """Drop observations received before `before` (default now): another episode's."""
+        self._interrupted_at = max(self._interrupted_at, before or time.time())
+        self._latest_observation = None
+
     def _stop_and_apply(self, operation, mode, boundaries, capsule, reason, received):
         """
         Stop the generation, then stop/roll back/restore.
@@ -794,9 +815,7 @@ class FlashRTNode(LifecycleNode):
             self.get_logger().warning(f'{operation} ignored: {self._not_active_message()}')
             return
         name, tier, nbytes, success = '', '', 0, True
-        # Observations received before this message belong to the interrupted episode.
-        self._interrupted_at = max(self._interrupted_at, received)
-        self._latest_observation = None
+        self._forget_observations(received)
         rt = self._runtime
         replaced_at = None
         try:

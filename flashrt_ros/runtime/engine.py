@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from .arena import StateSpec
-from .errors import InvalidRequestError
+from .errors import FlashRTError, InvalidRequestError
 from .models.base import CausalLMAdapter, PolicyAdapter, PolicySpec
 
 
@@ -220,6 +220,12 @@ class PolicyEngine:
             raise InvalidRequestError(
                 f'observation holds NaN or Inf (first at index {bad[0].tolist()}, after '
                 'float32 conversion); rejected before it reached the state')
+        dtype = getattr(self.adapter, 'dtype', torch.float32)
+        if dtype.is_floating_point and x.abs().max() > torch.finfo(dtype).max:
+            raise InvalidRequestError(
+                f'observation value {x.abs().max().item():g} overflows the model dtype '
+                f'{dtype} (largest {torch.finfo(dtype).max:g}); scale the observation or run '
+                'the model in float32')
         return x
 
     @torch.no_grad()  # the adapter picks its own mode; the chunk handed out is a plain tensor
@@ -230,6 +236,11 @@ class PolicyEngine:
         for start in range(0, x.shape[0], PREFILL_CHUNK):
             actions = self.adapter.act(x[start:start + PREFILL_CHUNK], position + start,
                                        generator)  # [H, A]
+        if not torch.isfinite(actions).all():  # never queued for a robot: the caller's guard
+            raise FlashRTError(                # puts the last committed state back
+                'the policy produced NaN or Inf actions; none were queued and the state is '
+                'back at the last committed boundary; check the observation scale and the '
+                'model (dtype, weights)')
         self.chunk.copy_(actions)
         self.left.fill_(self.spec.horizon)
         return self.chunk.to('cpu', copy=True)  # never hand out the arena view itself

@@ -30,6 +30,10 @@ def nodes(tmp_path_factory, capsule_dir):
                                       name='flashrt_policy'),
         'flashrt_timer': NodeProcess(workdir, dict(POLICY_PARAMS, capsule_dir=capsule_dir,
                                                    stepping='timer'), name='flashrt_timer'),
+        # a tick every 2 s: an observation waits long enough for a restore to overtake it
+        'flashrt_slow': NodeProcess(workdir, dict(POLICY_PARAMS, capsule_dir=capsule_dir,
+                                                  stepping='timer', control_rate=0.5),
+                                    name='flashrt_slow'),
     }
     yield procs
     for proc in procs.values():
@@ -77,6 +81,13 @@ def policy(nodes):
 @pytest.fixture(scope='module')
 def timer(nodes):
     a = _Actions('flashrt_timer', nodes['flashrt_timer'])
+    yield a
+    a.client.close()
+
+
+@pytest.fixture(scope='module')
+def slow(nodes):
+    a = _Actions('flashrt_slow', nodes['flashrt_slow'])
     yield a
     a.client.close()
 
@@ -199,3 +210,18 @@ def test_no_action_of_an_interrupted_chunk_after_the_interrupt(timer):
     finally:
         events.close()
         timer.client.interrupt(mode=Interrupt.STOP)
+
+
+@pytest.mark.parametrize('how', ['restore', 'deactivate'])
+def test_an_observation_from_before_a_restore_or_deactivate_is_not_folded_in(slow, how):
+    client = slow.client
+    home = _home(slow)
+    client.publish_joint_state(JOINTS, [0.2, -0.1], [0.0, 0.0])  # the next tick is up to 2 s off
+    time.sleep(0.05)
+    if how == 'restore':
+        assert client.restore(HOME).success
+    else:
+        assert client.change_state('deactivate', timeout=30.0)
+        assert client.change_state('activate', timeout=30.0)
+    time.sleep(2.5)  # more than a tick
+    assert client.state_digest() == home, f'an observation from before the {how} was folded in'

@@ -3,7 +3,7 @@
 import json
 import math
 
-from flashrt_ros.runtime import InvalidRequestError
+from flashrt_ros.runtime import FlashRTError, InvalidRequestError
 from flashrt_ros.runtime.arena import StateSpec
 from flashrt_ros.runtime.models import ModulePolicyAdapter, PolicySpec, save_policy
 import pytest
@@ -312,6 +312,27 @@ def test_a_policy_step_that_fails_after_writing_state_leaves_it_intact(make_runt
     assert len(rt.pending_actions()) == 3
     module.fail = False
     rt.act([0.3, 0.2, 0.1])  # and it keeps serving
+
+
+def test_nan_actions_are_never_queued_and_the_state_is_put_back(make_runtime):
+    # Inputs near float32's limit overflow inside the encoder: the chunk comes out NaN.
+    rt = make_runtime(POLICY)
+    rt.act([0.1, 0.2, 0.3, 0.4])
+    before, queue = rt.state_digest(), rt.pending_actions()
+    with pytest.raises(FlashRTError, match='NaN or Inf actions'):
+        rt.act([3e38, 3e38, 3e38, 3e38])
+    assert rt.state_digest() == before and torch.equal(rt.pending_actions(), queue)
+    assert torch.isfinite(rt.act([0.1, 0.2, 0.0, 0.0]).actions).all()  # and it keeps serving
+
+
+def test_an_observation_the_model_dtype_cannot_hold_is_refused(make_runtime):
+    rt = make_runtime(POLICY, dtype='float16')
+    rt.act([0.1, 0.2, 0.3, 0.4])
+    before = rt.state_digest()
+    with pytest.raises(InvalidRequestError, match='overflows the model dtype'):
+        rt.act([7e4, 0.0, 0.0, 0.0])  # float16 tops out at 65504
+    assert rt.state_digest() == before
+    assert rt.act([0.5, 0.0, 0.0, 0.0]).step == 2  # a value it can hold goes in
 
 
 def test_measure_policy_returns_the_figures(tmp_path):
