@@ -43,6 +43,7 @@ class Engine:
         self.cuda_graphs = cuda_graphs and self.device.type == 'cuda'
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_error: str | None = None
+        self.replays = 0  # decode steps run by replaying the graph (stats: cuda_graph_replays)
         self._hook = None  # the armed abort hook (see abort_when)
         self._abort_check = None
         if self.cuda_graphs and getattr(adapter, 'has_sliding_layers', False):
@@ -105,6 +106,7 @@ class Engine:
         self.token.fill_(token)
         if self.graph is not None and self.adapter.decode_ready():
             self.graph.replay()
+            self.replays += 1
         else:
             self._step(kv_len=position + 1)
 
@@ -194,6 +196,7 @@ class PolicyEngine:
         self.chunk = views[self.CHUNK]  # [H, A] fp32 arena view: the last action chunk
         self.left = views[self.LEFT]  # [] int64 arena view: how many of its actions are queued
         self.graph = None  # what Runtime.stats()/close() look at
+        self.replays = 0
         self.graph_error = 'policy steps run eagerly (no CUDA graph capture yet)'
 
     @classmethod

@@ -57,12 +57,6 @@ def sample_interleaved_s(fns, repeats: int, device: torch.device) -> list[list[f
     return times
 
 
-def _timed_s(fn, repeats: int, device: torch.device) -> tuple[float, float]:
-    """Return (best, median) seconds; noise on a shared machine only ever adds time."""
-    times = sample_s(fn, repeats, device)
-    return min(times), statistics.median(times)
-
-
 def token_ids(n: int, seed: int = 0) -> list[int]:
     """Return n seeded pseudo-random token ids in the byte range (valid for every vocab here)."""
     g = torch.Generator().manual_seed(seed)
@@ -74,16 +68,26 @@ def _ids(rt: Runtime, n: int, seed: int = 0) -> list[int]:
 
 
 def restore_vs_copy(rt: Runtime, prefix_tokens: int, repeats: int = 30) -> dict:
-    """Median full-restore time of a device capsule vs a raw copy_ of as many bytes."""
+    """
+    Full-restore time of a device capsule vs a raw copy_ of as many bytes (best, median).
+
+    Each timed restore follows a forgotten lineage (untimed), so it copies the whole capsule:
+    a restore into the capsule's own lineage would copy its head only.
+    """
     rt.reset()
     rt.prefill(_ids(rt, prefix_tokens))
     info = rt.snapshot('measure-restore', tier='device')
     rt.restore('measure-restore')  # warm
-    restore_s, restore_med = _timed_s(lambda: rt.restore('measure-restore'), repeats, rt.device)
     src = torch.empty(info.nbytes, dtype=torch.uint8, device=rt.device).random_(0, 255)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    copy_s, copy_med = _timed_s(lambda: dst.copy_(src), repeats, rt.device)
+    _, restores, copies = sample_interleaved_s(
+        [rt.arena.begin_epoch, lambda: rt.restore('measure-restore'), lambda: dst.copy_(src)],
+        repeats, rt.device)
+    if rt.stats()['last_restore_copied_bytes'] != info.nbytes:
+        raise RuntimeError('the timed restores did not copy the whole capsule')
+    restore_s, restore_med = min(restores), statistics.median(restores)
+    copy_s, copy_med = min(copies), statistics.median(copies)
     rt.delete_capsule('measure-restore')
     return {'bytes': info.nbytes, 'restore_s': restore_s, 'copy_s': copy_s,
             'ratio': restore_s / copy_s, 'restore_median_s': restore_med,

@@ -83,6 +83,10 @@ def _pinned_host(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
+def _pageable_host(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
 KV_ONLY_SKIPS = frozenset(
     {'conv', 'recurrent'}
 )  # what a KV-only restore (the ablation) leaves alone
@@ -326,9 +330,14 @@ class Runtime:
     def _capture(self, name: str, tier: str, pinned: bool = False) -> Capsule:
         """Copy the live state into a new capsule (not yet stored)."""
         self._retired.clear()  # before the allocation below, which may reuse their memory
-        # A new blob in arena memory; for the host and disk tiers of a GPU runtime, in pinned
-        # host memory (the copy below then goes there directly).
-        alloc = _pinned_host if tier != 'device' and self._cuda else self._alloc
+        # A new blob in arena memory; for the host tier of a GPU runtime, in pinned host
+        # memory (the copy goes there directly, and a restore from it is a DMA); for the disk
+        # tier, in pageable memory that the file write reads once (torch's pinned allocator
+        # rounds to a power of two and keeps freed blocks pinned).
+        if not self._cuda or tier == 'device':
+            alloc = self._alloc
+        else:
+            alloc = _pinned_host if tier == 'host' else _pageable_host
         blob, packing = self.arena.pack(self.position, alloc)  # one copy
         rng = self.generator.get_state()
         # A custom adapter's meta goes through JSON now (_adapter_meta): it may export live
@@ -1004,6 +1013,8 @@ class Runtime:
                          None if self._pool is None else self._pool.take)  # CPU: one memory
         new = cap.with_blob(target, tier, blob)
         stored = self.store.put(new)
+        if self._cuda:
+            torch.cuda.synchronize(self.device)  # the info's latency covers the copy
         return stored.info(time.perf_counter() - t0)
 
     def rollback(self, boundaries: int = 1, preempt: bool = False) -> CapsuleInfo:
@@ -1148,6 +1159,7 @@ class Runtime:
             'decode_tokens_per_s': self._decode_tps,
             'cuda_graph': bool(not self._closed and self.engine.graph is not None),
             'cuda_graph_note': None if self._closed else self.engine.graph_error,
+            'cuda_graph_replays': 0 if self._closed else self.engine.replays,
         }
         if self.is_policy:
             stats['control_step_s'] = self._last_step_s

@@ -21,6 +21,8 @@ def test_graph_decode_matches_eager(make_runtime, model, max_seq_len):
     stats = graphed.stats()
     assert stats['cuda_graph'], stats['cuda_graph_note']
     assert greedy(graphed, 16, prompt=prompt) == greedy(eager, 16, prompt=prompt)
+    assert graphed.stats()['cuda_graph_replays'] >= 15  # the graph ran those steps, not eager
+    assert eager.stats()['cuda_graph_replays'] == 0
 
 
 def test_failed_capture_runs_eager_on_the_stream_it_started_on(make_runtime, monkeypatch):
@@ -52,7 +54,9 @@ def test_restore_exact_on_cuda(make_runtime, tier):
     rt.snapshot('c', tier=tier)
     digest = rt.state_digest()
     first = greedy(rt, 12)
+    rt.arena.begin_epoch()  # lineage forgotten: the whole capsule comes over, not its head
     rt.restore('c')
+    assert rt.stats()['last_restore_copied_bytes'] == rt.store.get('c').packing.nbytes
     assert rt.state_digest() == digest
     assert greedy(rt, 12) == first
     blob = rt.store.get('c').blob
@@ -64,15 +68,19 @@ def test_restore_exact_on_cuda(make_runtime, tier):
 
 def test_graph_survives_restore_and_rollback(make_runtime):
     rt = make_runtime(device='cuda')
+    eager = make_runtime(device='cuda', cuda_graphs=False)
+    eager.prefill(PROMPT)
     rt.warmup()
     rt.prefill(PROMPT)
     rt.snapshot('a')
     first = greedy(rt, 10)
+    assert first == greedy(eager, 10)  # the graph's tokens are right, not only repeatable
     rt.rollback(1)
     assert greedy(rt, 10) == first
+    rt.arena.begin_epoch()  # lineage forgotten: a full copy into the graph's fixed addresses
     rt.restore('a')
     assert greedy(rt, 10) == first
-    assert rt.stats()['cuda_graph']
+    assert rt.stats()['cuda_graph'] and rt.stats()['cuda_graph_replays'] >= 27
 
 
 def test_same_lineage_host_restore_moves_only_the_head(make_runtime):
