@@ -110,6 +110,7 @@ class GoalRun:
             time.sleep(0.002)
         if not self.chunks or not self.chunks[-1].final:
             self._on_feedback_chunk(self._final_chunk(wrapped.result))
+        self._client._feedback_drained(timeout)  # the callbacks of every chunk have run
         return GenerateOutcome(True, wrapped.status, wrapped.result, list(self.chunks))
 
     def _final_chunk(self, result):
@@ -195,11 +196,22 @@ class FlashRTClient:
         there would wait for an answer that could only come after it returned.
         """
         while (item := self._feedback.get()) is not None:
+            if isinstance(item, threading.Event):  # a marker: everything before it has run
+                item.set()
+                continue
             callback, chunk = item
             try:
                 callback(chunk)
             except Exception as exc:
                 self.node.get_logger().error(f'feedback callback failed: {exc!r}')
+
+    def _feedback_drained(self, timeout):
+        """Wait until the feedback callbacks queued so far have run (not from one of them)."""
+        if threading.current_thread() is self._feedback_thread:
+            return
+        marker = threading.Event()
+        self._feedback.put(marker)
+        marker.wait(timeout)
 
     # ---- waiting -----------------------------------------------------------------------
 
@@ -298,7 +310,8 @@ class FlashRTClient:
 
         feedback_callback(TokenChunk) runs for every chunk, in order, on the client's feedback
         thread (it may call any method, start_generate included); the last one has final=True
-        (rebuilt from the result when the middleware dropped it, once result() returns).
+        (rebuilt from the result when the middleware dropped it). result() returns once the
+        callbacks of every chunk have run.
         """
         timeout = self.timeout if timeout is None else timeout
         if not self._generate.wait_for_server(timeout_sec=timeout):
@@ -387,7 +400,8 @@ class FlashRTClient:
         self._executor.shutdown(timeout_sec=2.0)
         self._spinner.join(timeout=2.0)
         self._feedback.put(None)
-        self._feedback_thread.join(timeout=2.0)
+        if threading.current_thread() is not self._feedback_thread:  # not from a callback
+            self._feedback_thread.join(timeout=2.0)
         self.node.destroy_node()
         if self._own_context:
             rclpy.try_shutdown(context=self.context)

@@ -231,6 +231,7 @@ class FlashRTNode(LifecycleNode):
         self._cv = threading.Condition()
         self._queue = collections.deque()   # turns not started yet
         self._current = None                # the turn on the generation thread
+        self._ending = None                 # a turn counted out, its final chunk not yet sent
         self._holds = 0                     # state operations that keep new turns from starting
         self._reserved = 0                  # accepted turns not finished (queued + running)
         self._worker = None
@@ -650,10 +651,10 @@ class FlashRTNode(LifecycleNode):
 
     @contextlib.contextmanager
     def _turns_held(self):
-        """Keep queued turns from starting; yield the running turn (None when idle)."""
+        """Keep queued turns from starting; yield the running or ending turn (None: idle)."""
         with self._cv:
             self._holds += 1
-            turn = self._current
+            turn = self._current or self._ending
         try:
             yield turn
         finally:
@@ -865,7 +866,7 @@ class FlashRTNode(LifecycleNode):
                 else f'restored {capsule!r}')
         with self._turns_held() as turn:
             if turn is not None:
-                with self._start_lock:  # after its start_from restore, if that has begun
+                with self._start_lock:  # after its start_from restore or save_as, if begun
                     turn.replaced = f'{who} {what}'
             try:
                 if mode == Interrupt.ROLLBACK:
@@ -1168,22 +1169,27 @@ class FlashRTNode(LifecycleNode):
                                               position=self._position())
                 turn.final = turn.final or ([], '', 'error')
             finally:
+                with self._cv:  # first: a cancel from here on would only relabel the outcome
+                    self._current, self._ending = None, turn
+                    self._reserved -= 1
+                    turn.settled = True
+                    self._cv.notify_all()
                 if not turn.result.success:
                     self.get_logger().warning(f'generation turn failed: {turn.result.message}')
                 if self.tune_switch_interval:  # the next turn sets the short one again
                     sys.setswitchinterval(SWITCH_INTERVAL_IDLE_S)
-                with self._cv:
-                    self._current = None
-                    self._reserved -= 1
-                    turn.settled = True
-                    self._cv.notify_all()
                 # The final chunk says the turn is over: everything it does (save_as, the
                 # cancel policy) is done, and the node takes the next goal or ~/prompt
                 # (goal_policy reject counts this turn out before a client can react).
                 try:
                     if turn.final is not None:
                         self._publish_chunk(turn, turn.streamed, *turn.final, final=True)
+                except Exception as exc:  # e.g. the action server went away: keep the thread
+                    self.get_logger().warning(f'could not publish the final chunk: {exc!r}')
                 finally:
+                    with self._cv:
+                        if self._ending is turn:
+                            self._ending = None
                     turn.done.set()
 
     def _run_turn(self, turn):
@@ -1249,13 +1255,15 @@ class FlashRTNode(LifecycleNode):
         res = gen.result
         turn.final = ids, ''.join(pieces), res.stop_reason
         success, message = True, f'{len(res.token_ids)} tokens, stop reason {res.stop_reason}'
-        if goal.save_as and turn.replaced:  # the live state is no longer this turn's
-            success = False
-            message += f'; save_as {goal.save_as!r} skipped: {turn.replaced} during the turn'
-        elif goal.save_as:
-            saved = self._save_turn(goal.save_as, goal.save_tier or 'device')
-            success = not saved.startswith('save_as')
-            message += f'; {saved}'
+        with self._start_lock:  # an interrupt marks the turn before it replaces the state
+            if goal.save_as and turn.replaced:  # the live state is no longer this turn's
+                success = False
+                message += (f'; save_as {goal.save_as!r} skipped: {turn.replaced} during '
+                            'the turn')
+            elif goal.save_as:
+                saved = self._save_turn(goal.save_as, goal.save_tier or 'device')
+                success = not saved.startswith('save_as')
+                message += f'; {saved}'
         with self._cv:  # from here a cancel is refused: it could no longer change the outcome
             turn.settled = True
             cancelled = turn.cancel_requested

@@ -298,8 +298,10 @@ def move_blob(blob: torch.Tensor, tier: str, device: torch.device,
     elif tier == 'device':
         out = torch.empty_like(blob, device=device)
     else:
-        # Pinned host memory makes host<->GPU copies DMA transfers; on CPU it is plain RAM.
-        out = torch.empty(blob.shape, dtype=torch.uint8, pin_memory=device.type == 'cuda')
+        # Pinned host memory makes host<->GPU copies DMA transfers; a disk blob is written
+        # once, and on CPU all of it is plain RAM.
+        out = torch.empty(blob.shape, dtype=torch.uint8,
+                          pin_memory=device.type == 'cuda' and tier == 'host')
     out.copy_(blob)
     return out
 

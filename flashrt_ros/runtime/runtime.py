@@ -665,8 +665,9 @@ class Runtime:
 
         A generation between steps (nobody iterating it now: left after a `break`, or never
         started) ends here and now, so the runtime is free when this returns; one in the
-        middle of a step ends when the step does. Policy mode: drop the pending action queue
-        (waits for a running act() to finish).
+        middle of a step ends when the step does, and so does one met while another call
+        (a snapshot, a digest) holds the runtime: this never waits. Policy mode: drop the
+        pending action queue (waits for a running act() to finish).
         """
         if self.is_policy and not self._closed:
             self.drop_actions()
@@ -703,9 +704,10 @@ class Runtime:
         it was armed) the last committed boundary is put back instead.
         """
         request = self._preempt
+        unstarted = not gen.started  # committed nothing of its own: count from the newest
         self._finish(gen, 'interrupted', commit=not torn)
         try:
-            request.result = request.run(torn)
+            request.result = request.run(torn or unstarted)
         except Exception as exc:
             request.error = exc
             if torn:
@@ -1009,7 +1011,7 @@ class Runtime:
         cap = self.store.get(source)
         tier = validate_tier(tier or cap.tier)
         self._retired.clear()  # it allocates: free what the ring dropped first
-        blob = move_blob(cap.blob, 'device' if tier == 'device' else 'host', self.device,
+        blob = move_blob(cap.blob, tier, self.device,
                          None if self._pool is None else self._pool.take)  # CPU: one memory
         new = cap.with_blob(target, tier, blob)
         stored = self.store.put(new)

@@ -437,3 +437,14 @@ def test_goal_sent_from_feedback_callback(client, at_home):
     assert _wait(lambda: chained, 10.0)
     assert chained[0].accepted
     assert chained[0].result(30.0).result.success
+
+
+def test_result_returns_after_every_feedback_callback(client, at_home):
+    seen = []
+
+    def slow(chunk):
+        time.sleep(0.02)  # a consumer slower than the stream
+        seen.append(chunk.index)
+
+    outcome = client.generate('Go.', max_new_tokens=12, feedback_callback=slow)
+    assert len(seen) == len(outcome.chunks) and outcome.chunks[-1].final

@@ -51,15 +51,20 @@ def _slow_down(node, delays):
 
     node._action_server.register_handle_accepted_callback(slow_accepted)
     node._action_server.register_cancel_callback(slow_cancel)
-    prepare_turn = node._prepare_turn
+    prepare_turn, save_turn = node._prepare_turn, node._save_turn
 
     def slow_prepare_turn(turn):
         time.sleep(delays['prepare'])  # before the goal's start_from restore
         return prepare_turn(turn)
 
+    def slow_save_turn(name, tier):
+        time.sleep(delays['save'])  # before the goal's save_as snapshot
+        return save_turn(name, tier)
+
     node._run_turn = slow_run_turn
     node._publish_chunk = slow_publish_chunk
     node._prepare_turn = slow_prepare_turn
+    node._save_turn = slow_save_turn
 
 
 @pytest.fixture(scope='module')
@@ -77,7 +82,7 @@ def probe(tmp_path_factory):
     spinner = threading.Thread(target=spin_until_shutdown, daemon=True,
                                args=(executor, node.get_logger(), stopping.is_set))
     delays = dict.fromkeys(('accepted', 'cancel_return', 'turn_end', 'before_final',
-                            'after_final', 'prepare'), 0.0)
+                            'after_final', 'prepare', 'save'), 0.0)
     _slow_down(node, delays)
     client = None
     try:
@@ -190,7 +195,7 @@ def test_interrupt_event_comes_after_the_turn(probe, slowed, mode):
 
 def test_interrupt_during_start_from_wins(probe, slowed):
     """A RESTORE interrupt that lands before a goal's start_from restore is the state after."""
-    client, _, _ = probe
+    client, _, node = probe
     home = client.state_digest()
     assert client.generate('Go somewhere else.', max_new_tokens=3).result.success
     assert client.snapshot('elsewhere').success
@@ -202,7 +207,7 @@ def test_interrupt_during_start_from_wins(probe, slowed):
         slowed['prepare'] = DELAY
         run = client.start_generate('Go on.', max_new_tokens=50, start_from='elsewhere')
         assert run.accepted
-        time.sleep(DELAY / 3)  # the turn has started and waits to restore 'elsewhere'
+        assert _wait(lambda: node._current is not None)  # it waits to restore 'elsewhere'
         client.interrupt(mode=Interrupt.RESTORE, capsule=HOME, reason='barge-in')
         assert _wait(lambda: any(e.operation == 'interrupt' for e in events))
         outcome = run.result(30.0)
@@ -214,29 +219,48 @@ def test_interrupt_during_start_from_wins(probe, slowed):
 
 
 def test_deactivate_publishes_the_final_chunk(probe, slowed):
-    """~/tokens gets the final chunk of a turn that a deactivate stops."""
+    """~/tokens gets the final chunk of a turn that a deactivate stops, or meets ending."""
     client, _, _ = probe
     tokens = []
     sub = client.subscribe_tokens(tokens.append)
     time.sleep(0.3)
     slowed['before_final'] = DELAY
     try:
-        for start in ('goal', 'prompt'):
+        # 'ending': the turn is counted out and its final chunk waits when deactivate comes
+        for start, reason in (('goal', 'interrupted'), ('prompt', 'interrupted'),
+                              ('ending', 'max_tokens')):
             del tokens[:]
-            if start == 'goal':
-                run = client.start_generate(LONG_PROMPT, max_new_tokens=600)
-                assert run.accepted
-            else:
+            if start == 'prompt':
                 client.publish_prompt(LONG_PROMPT)
-            assert _wait(lambda: len(tokens) >= 2)
+            else:
+                run = client.start_generate(LONG_PROMPT if start == 'goal' else 'Go.',
+                                            max_new_tokens=600 if start == 'goal' else 3)
+                assert run.accepted
+            assert _wait(lambda: len(tokens) >= (3 if start == 'ending' else 2))
             assert client.change_state('deactivate', timeout=30.0)
             assert _wait(lambda: any(c.final for c in tokens), 2.0), (
                 f'{start} turn: no final chunk on ~/tokens')
-            assert tokens[-1].final and tokens[-1].stop_reason == 'interrupted'
-            if start == 'goal':
+            assert tokens[-1].final and tokens[-1].stop_reason == reason
+            if start != 'prompt':
                 assert run.result(30.0).chunks[-1].final
             assert client.change_state('activate', timeout=30.0)
     finally:
         client.node.destroy_subscription(sub)
         if client.get_state() != 'active':
             client.change_state('activate', timeout=30.0)
+
+
+def test_an_interrupt_during_save_as_waits_for_it(probe, slowed):
+    """save_as holds the turn's own state even when an interrupt restores during it."""
+    client, _, _ = probe
+    home = client.state_digest()
+    slowed['save'] = DELAY
+    run = client.start_generate('Go.', max_new_tokens=3, save_as='mine')
+    assert run.accepted and _wait(lambda: len(run.chunks) >= 3)  # generated; saving now
+    client.interrupt(mode=Interrupt.RESTORE, capsule=HOME, reason='barge-in')
+    outcome = run.result(30.0)
+    assert outcome.result.success, outcome.result.message
+    assert _wait(lambda: client.state_digest() == home)  # the interrupt's restore
+    assert client.restore('mine').success
+    assert client.state_digest() != home, "save_as holds the interrupt's state"
+    assert client.delete_capsule('mine').success

@@ -185,6 +185,25 @@ def test_preempting_rollback_of_a_turn_not_yet_started_undoes_nothing_before_it(
     assert rt.position == len(rt.tokenize(PROMPT))
 
 
+def test_an_unstarted_turn_that_serves_the_preemption_lands_the_same(make_runtime):
+    # As above, but the turn's first step wins the lock and serves the rollback itself.
+    rt = make_runtime()
+    rt.prefill(PROMPT)
+    rt.prefill(OTHER)
+    digest = rt.state_digest()
+    gen = rt.generate(prompt=' and', max_new_tokens=5)
+    out = []
+    with rt._lock:  # the preemption arms, then waits for the lock: the next step serves it
+        thread = threading.Thread(target=lambda: out.append(rt.rollback(1, preempt=True)))
+        thread.start()
+        while rt._preempt is None:
+            thread.join(0.001)
+        with pytest.raises(StopIteration):
+            next(gen)
+    thread.join(30)
+    assert out and rt.state_digest() == digest
+
+
 def test_a_bad_preemption_leaves_the_generation_running(make_runtime):
     rt = make_runtime()
     rt.prefill(PROMPT)
