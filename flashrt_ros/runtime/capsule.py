@@ -290,6 +290,18 @@ def _unshared(buf: torch.Tensor) -> bool:
     return use_count(storage._cdata) <= 2  # buf and the `storage` handle itself
 
 
+def host_blob(nbytes: int, tier: str, device: torch.device) -> torch.Tensor:
+    """
+    Host memory for a blob of `tier` ('host' or 'disk') of a runtime on `device`.
+
+    Pinned for the host tier of a GPU runtime: copies to and from it are DMA transfers. A
+    disk blob is written once, so it stays pageable (torch's pinned allocator rounds to a
+    power of two and keeps freed blocks pinned); on a CPU runtime all of it is plain RAM.
+    """
+    return torch.empty(nbytes, dtype=torch.uint8,
+                       pin_memory=device.type == 'cuda' and tier == 'host')
+
+
 def move_blob(blob: torch.Tensor, tier: str, device: torch.device,
               alloc=None) -> torch.Tensor:
     """Copy blob into a new tensor in `tier`'s memory (never aliases the input)."""
@@ -298,10 +310,7 @@ def move_blob(blob: torch.Tensor, tier: str, device: torch.device,
     elif tier == 'device':
         out = torch.empty_like(blob, device=device)
     else:
-        # Pinned host memory makes host<->GPU copies DMA transfers; a disk blob is written
-        # once, and on CPU all of it is plain RAM.
-        out = torch.empty(blob.shape, dtype=torch.uint8,
-                          pin_memory=device.type == 'cuda' and tier == 'host')
+        out = host_blob(blob.numel(), tier, device)
     out.copy_(blob)
     return out
 

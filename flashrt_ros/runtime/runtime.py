@@ -46,6 +46,7 @@ from __future__ import annotations
 import collections
 import contextlib
 from dataclasses import dataclass
+import functools
 import hashlib
 import json
 import sys
@@ -57,7 +58,8 @@ import torch
 
 from .arena import StateArena, StateSpec
 from .capsule import (
-    BlobPool, Capsule, CapsuleInfo, CapsuleStore, move_blob, validate_name, validate_tier,
+    BlobPool, Capsule, CapsuleInfo, CapsuleStore, host_blob, move_blob, validate_name,
+    validate_tier,
 )
 from .config import RuntimeConfig
 from .engine import Engine, PolicyEngine, StepAborted
@@ -76,15 +78,6 @@ from .models.hf import load_adapter
 from .models.policy import is_policy_model, load_policy
 
 _DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
-
-
-def _pinned_host(nbytes: int) -> torch.Tensor:
-    """Pinned host memory: device<->host copies of it are DMA transfers."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-
-def _pageable_host(nbytes: int) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 KV_ONLY_SKIPS = frozenset(
@@ -330,14 +323,12 @@ class Runtime:
     def _capture(self, name: str, tier: str, pinned: bool = False) -> Capsule:
         """Copy the live state into a new capsule (not yet stored)."""
         self._retired.clear()  # before the allocation below, which may reuse their memory
-        # A new blob in arena memory; for the host tier of a GPU runtime, in pinned host
-        # memory (the copy goes there directly, and a restore from it is a DMA); for the disk
-        # tier, in pageable memory that the file write reads once (torch's pinned allocator
-        # rounds to a power of two and keeps freed blocks pinned).
+        # A new blob in arena memory; for the host and disk tiers of a GPU runtime, in host
+        # memory (host_blob), where the copy below then goes directly.
         if not self._cuda or tier == 'device':
             alloc = self._alloc
         else:
-            alloc = _pinned_host if tier == 'host' else _pageable_host
+            alloc = functools.partial(host_blob, tier=tier, device=self.device)
         blob, packing = self.arena.pack(self.position, alloc)  # one copy
         rng = self.generator.get_state()
         # A custom adapter's meta goes through JSON now (_adapter_meta): it may export live
@@ -704,16 +695,26 @@ class Runtime:
         it was armed) the last committed boundary is put back instead.
         """
         request = self._preempt
-        unstarted = not gen.started  # committed nothing of its own: count from the newest
-        self._finish(gen, 'interrupted', commit=not torn)
+        from_newest = self._end_for_preemption(gen, torn)
         try:
-            request.result = request.run(torn or unstarted)
+            request.result = request.run(from_newest)
         except Exception as exc:
             request.error = exc
             if torn:
                 self._recover_torn()
         request.done = True
         self._preempt = None  # served: a turn started before the caller wakes must not see it
+
+    def _end_for_preemption(self, gen: Generation, torn: bool) -> bool:
+        """
+        End `gen` for a waiting restore/rollback (lock held); return its run()'s `torn`.
+
+        True when the turn committed no end of its own, so a rollback counts from the newest
+        boundary: cut mid-step (torn), or claimed and never started.
+        """
+        from_newest = torn or not gen.started
+        self._finish(gen, 'interrupted', commit=not torn)
+        return from_newest
 
     def _recover_torn(self) -> None:
         """Replace a half-updated state: the newest committed boundary, else a reset."""
@@ -737,12 +738,8 @@ class Runtime:
                     self._preempt = None
                     if not request.done:  # no step was running: a boundary or idle
                         self._check_open()
-                        # A turn claimed but not started committed nothing of its own: a
-                        # rollback counts from the newest boundary, as after a torn one.
-                        unstarted = self._active is not None and not self._active.started
-                        if self._active is not None:
-                            self._finish(self._active, 'interrupted')
-                        return run(unstarted)
+                        gen = self._active
+                        return run(gen is not None and self._end_for_preemption(gen, False))
             finally:
                 self._preempt = None
                 engine.disarm_abort()

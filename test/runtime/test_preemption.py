@@ -173,35 +173,30 @@ def test_preempt_between_steps_and_when_idle(make_runtime):
     assert rt.state_digest() == home
 
 
-def test_preempting_rollback_of_a_turn_not_yet_started_undoes_nothing_before_it(make_runtime):
+@pytest.mark.parametrize('served_by', ['caller', 'turn'])
+def test_preempting_rollback_of_an_unstarted_turn_undoes_nothing_before_it(make_runtime,
+                                                                           served_by):
     rt = make_runtime()
     rt.prefill(PROMPT)
     rt.prefill(OTHER)  # two committed boundaries; rollback(1) must not undo this one
     digest = rt.state_digest()
-    rt.generate(prompt=' and', max_new_tokens=5)  # claimed; no step has run
-    info = rt.rollback(1, preempt=True)
+    gen = rt.generate(prompt=' and', max_new_tokens=5)  # claimed; no step has run
+    if served_by == 'caller':
+        info = rt.rollback(1, preempt=True)
+    else:  # the turn's first step wins the lock and serves the rollback itself
+        out = []
+        with rt._lock:  # the preemption arms, then waits for the lock: the next step serves it
+            thread = threading.Thread(target=lambda: out.append(rt.rollback(1, preempt=True)))
+            thread.start()
+            while rt._preempt is None:
+                thread.join(0.001)
+            with pytest.raises(StopIteration):
+                next(gen)
+        thread.join(30)
+        info = out[0]
     assert rt.state_digest() == digest and info.position == rt.position
     rt.rollback(1)  # the ring still holds the earlier boundary
     assert rt.position == len(rt.tokenize(PROMPT))
-
-
-def test_an_unstarted_turn_that_serves_the_preemption_lands_the_same(make_runtime):
-    # As above, but the turn's first step wins the lock and serves the rollback itself.
-    rt = make_runtime()
-    rt.prefill(PROMPT)
-    rt.prefill(OTHER)
-    digest = rt.state_digest()
-    gen = rt.generate(prompt=' and', max_new_tokens=5)
-    out = []
-    with rt._lock:  # the preemption arms, then waits for the lock: the next step serves it
-        thread = threading.Thread(target=lambda: out.append(rt.rollback(1, preempt=True)))
-        thread.start()
-        while rt._preempt is None:
-            thread.join(0.001)
-        with pytest.raises(StopIteration):
-            next(gen)
-    thread.join(30)
-    assert out and rt.state_digest() == digest
 
 
 def test_a_bad_preemption_leaves_the_generation_running(make_runtime):
