@@ -27,6 +27,7 @@ import time
 
 from flashrt_ros.action import Generate
 from flashrt_ros.msg import ActionChunk, CapsuleEvent, Interrupt, TokenChunk
+from flashrt_ros.qos import COMMAND_QOS, INTERRUPT_QOS, STREAM_QOS  # noqa: F401 (re-exported)
 from flashrt_ros.spin import spin_until_shutdown
 from flashrt_ros.srv import DeleteCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
 from lifecycle_msgs.srv import ChangeState, GetState
@@ -35,17 +36,9 @@ from rclpy.action import ActionClient
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.context import Context
 from rclpy.executors import MultiThreadedExecutor
-from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import JointState
 from std_msgs.msg import Empty, Float32MultiArray, String
 from std_srvs.srv import Trigger
-
-# Match the node's QoS (see flashrt_ros/node.py): reliable everywhere, a deep interrupt queue.
-_RELIABLE = {'history': HistoryPolicy.KEEP_LAST, 'reliability': ReliabilityPolicy.RELIABLE,
-             'durability': DurabilityPolicy.VOLATILE}
-STREAM_QOS = QoSProfile(depth=100, **_RELIABLE)
-INTERRUPT_QOS = QoSProfile(depth=1000, **_RELIABLE)
-COMMAND_QOS = QoSProfile(depth=10, **_RELIABLE)
 
 FINAL_CHUNK_GRACE_S = 0.05
 TRANSITIONS = ('configure', 'cleanup', 'activate', 'deactivate', 'shutdown')

@@ -24,7 +24,9 @@ def _instances(context):
     capsule_root = LaunchConfiguration('capsule_root').perform(context)
     # value_type=str: a model path or id must never be parsed as YAML (e.g. as a number)
     overrides = {key: ParameterValue(LaunchConfiguration(key).perform(context), value_type=str)
-                 for key in ('model', 'device', 'dtype')}
+                 for key in ('model', 'mode', 'device', 'dtype')}
+    autostart = LaunchConfiguration('autostart').perform(context).strip().lower()
+    overrides['autostart'] = autostart in ('true', '1', 'yes', 'on')
     return [
         LifecycleNode(
             package='flashrt_ros',
@@ -50,6 +52,8 @@ def generate_launch_description():
                               description='comma-separated namespaces, one node each'),
         DeclareLaunchArgument('model', default_value='builtin:tiny-hybrid',
                               description='builtin:<id> or a local checkpoint directory'),
+        DeclareLaunchArgument('mode', default_value='lm',
+                              description='lm | policy (must match the model)'),
         DeclareLaunchArgument('device', default_value='cpu', description='cpu | cuda | cuda:N'),
         DeclareLaunchArgument('dtype', default_value='float32',
                               description='float32 | bfloat16 | float16'),
@@ -59,5 +63,7 @@ def generate_launch_description():
                               description='parent of the per-instance capsule directories'),
         DeclareLaunchArgument('log_level', default_value='info',
                               description='debug | info | warn | error'),
+        DeclareLaunchArgument('autostart', default_value='true',
+                              description='configure and activate each node at startup'),
         OpaqueFunction(function=_instances),
     ])

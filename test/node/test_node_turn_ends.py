@@ -1,11 +1,12 @@
 """
-Races at the start and end of a turn, made certain by slowing one step of the node.
+The ROS side of the races at a turn's start and end, made certain by slowing the node.
 
-The node runs in this process (its own context and executor, talking to the client over
-DDS), so a test can stretch the window it checks: a sleep before the action server's
-handle_accepted_callback, after a cancel callback (before rclpy marks the goal CANCELING),
-after a turn's work, or around its final chunk. Without the stretch these races are hit
-a few times in a hundred on a quiet machine, or not at all.
+The session layer's own tests (test/session) drive these races deterministically without
+ROS; here the node runs in this process (its own context and executor, talking to the
+client over DDS) to check what only the wiring decides: rclpy answering a goal before it
+hands it over, marking a cancelled goal CANCELING late, the goal's final status, and the
+lifecycle publisher that still carries a final chunk while deactivating. The slowing goes
+through public seams: rclpy's action server callbacks and the node's session outputs.
 """
 
 import threading
@@ -27,9 +28,9 @@ LONG_PROMPT = 'Describe the room.'  # runs to max_new_tokens from home (no early
 
 
 def _slow_down(node, delays):
-    """Wrap the node's steps so that each sleeps delays[<step>] seconds."""
+    """Make the node's goal callbacks and final chunks sleep delays[<where>] seconds."""
     accepted, cancel = node._handle_accepted_callback, node._cancel_callback
-    run_turn, publish_chunk = node._run_turn, node._publish_chunk
+    chunk = node.outputs.chunk
 
     def slow_accepted(goal_handle):
         time.sleep(delays['accepted'])  # rclpy has already answered the goal
@@ -40,31 +41,14 @@ def _slow_down(node, delays):
         time.sleep(delays['cancel_return'])  # rclpy marks the goal CANCELING after this
         return response
 
-    def slow_run_turn(turn):
-        run_turn(turn)
-        time.sleep(delays['turn_end'])  # before the generation thread counts the turn out
-
-    def slow_publish_chunk(turn, index, ids, text, stop_reason, final=False):
-        time.sleep(delays['before_final'] if final else 0.0)
-        publish_chunk(turn, index, ids, text, stop_reason, final)
+    def slow_chunk(turn, index, ids, text, stop_reason, final=False):
+        time.sleep(delays['before_final'] if final else 0.0)  # counted out, not yet done
+        chunk(turn, index, ids, text, stop_reason, final)
         time.sleep(delays['after_final'] if final else 0.0)  # before the turn is done
 
     node._action_server.register_handle_accepted_callback(slow_accepted)
     node._action_server.register_cancel_callback(slow_cancel)
-    prepare_turn, save_turn = node._prepare_turn, node._save_turn
-
-    def slow_prepare_turn(turn):
-        time.sleep(delays['prepare'])  # before the goal's start_from restore
-        return prepare_turn(turn)
-
-    def slow_save_turn(name, tier):
-        time.sleep(delays['save'])  # before the goal's save_as snapshot
-        return save_turn(name, tier)
-
-    node._run_turn = slow_run_turn
-    node._publish_chunk = slow_publish_chunk
-    node._prepare_turn = slow_prepare_turn
-    node._save_turn = slow_save_turn
+    node.outputs.chunk = slow_chunk
 
 
 @pytest.fixture(scope='module')
@@ -81,8 +65,7 @@ def probe(tmp_path_factory):
     stopping = threading.Event()
     spinner = threading.Thread(target=spin_until_shutdown, daemon=True,
                                args=(executor, node.get_logger(), stopping.is_set))
-    delays = dict.fromkeys(('accepted', 'cancel_return', 'turn_end', 'before_final',
-                            'after_final', 'prepare', 'save'), 0.0)
+    delays = dict.fromkeys(('accepted', 'cancel_return', 'before_final', 'after_final'), 0.0)
     _slow_down(node, delays)
     client = None
     try:
@@ -170,7 +153,7 @@ def test_interrupt_event_comes_after_the_turn(probe, slowed, mode):
     sub = client.subscribe_events(lambda e: events.append((time.time(), e)))
     time.sleep(0.3)
     try:
-        slowed['turn_end'] = DELAY  # the interrupted turn is slow to end
+        slowed['before_final'] = DELAY  # the interrupted turn is slow to end
         run = client.start_generate(LONG_PROMPT, max_new_tokens=600)
         assert run.accepted and _wait(lambda: len(run.chunks) >= 2)
         client.interrupt(mode=mode, capsule=HOME, boundaries=1, reason='chained')
@@ -191,31 +174,6 @@ def test_interrupt_event_comes_after_the_turn(probe, slowed, mode):
         assert received - stamp > DELAY * 0.8
     finally:
         client.node.destroy_subscription(sub)
-
-
-def test_interrupt_during_start_from_wins(probe, slowed):
-    """A RESTORE interrupt that lands before a goal's start_from restore is the state after."""
-    client, _, node = probe
-    home = client.state_digest()
-    assert client.generate('Go somewhere else.', max_new_tokens=3).result.success
-    assert client.snapshot('elsewhere').success
-    assert client.restore(HOME).success
-    events = []
-    sub = client.subscribe_events(events.append)
-    time.sleep(0.3)
-    try:
-        slowed['prepare'] = DELAY
-        run = client.start_generate('Go on.', max_new_tokens=50, start_from='elsewhere')
-        assert run.accepted
-        assert _wait(lambda: node._current is not None)  # it waits to restore 'elsewhere'
-        client.interrupt(mode=Interrupt.RESTORE, capsule=HOME, reason='barge-in')
-        assert _wait(lambda: any(e.operation == 'interrupt' for e in events))
-        outcome = run.result(30.0)
-        assert outcome.result.stop_reason == 'interrupted' and not outcome.token_ids
-        assert client.state_digest() == home, "start_from replaced the interrupt's restore"
-    finally:
-        client.node.destroy_subscription(sub)
-        assert client.delete_capsule('elsewhere').success
 
 
 def test_deactivate_publishes_the_final_chunk(probe, slowed):
@@ -248,19 +206,3 @@ def test_deactivate_publishes_the_final_chunk(probe, slowed):
         client.node.destroy_subscription(sub)
         if client.get_state() != 'active':
             client.change_state('activate', timeout=30.0)
-
-
-def test_an_interrupt_during_save_as_waits_for_it(probe, slowed):
-    """save_as holds the turn's own state even when an interrupt restores during it."""
-    client, _, _ = probe
-    home = client.state_digest()
-    slowed['save'] = DELAY
-    run = client.start_generate('Go.', max_new_tokens=3, save_as='mine')
-    assert run.accepted and _wait(lambda: len(run.chunks) >= 3)  # generated; saving now
-    client.interrupt(mode=Interrupt.RESTORE, capsule=HOME, reason='barge-in')
-    outcome = run.result(30.0)
-    assert outcome.result.success, outcome.result.message
-    assert _wait(lambda: client.state_digest() == home)  # the interrupt's restore
-    assert client.restore('mine').success
-    assert client.state_digest() != home, "save_as holds the interrupt's state"
-    assert client.delete_capsule('mine').success

@@ -1,0 +1,136 @@
+"""Conversions between ROS messages and the runtime's and session's records."""
+
+from builtin_interfaces.msg import Duration, Time
+from diagnostic_msgs.msg import DiagnosticStatus, KeyValue
+from flashrt_ros.action import Generate
+from flashrt_ros.msg import ActionChunk, CapsuleInfo, TokenChunk
+from flashrt_ros.session import TurnRequest
+from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
+
+TRAJECTORY_FIELDS = ('positions', 'velocities', 'accelerations', 'effort')
+
+
+def stamp(seconds):
+    """Convert unix seconds (float) to builtin_interfaces/Time."""
+    sec = int(seconds)
+    return Time(sec=sec, nanosec=int((seconds - sec) * 1e9))
+
+
+def duration(seconds):
+    """Convert seconds (float) to builtin_interfaces/Duration."""
+    sec = int(seconds)
+    return Duration(sec=sec, nanosec=int((seconds - sec) * 1e9))
+
+
+def info_msg(info, msg=None):
+    """Fill msg (a new CapsuleInfo message by default) from a runtime CapsuleInfo."""
+    msg = CapsuleInfo() if msg is None else msg
+    msg.name, msg.tier, msg.size_bytes = info.name, info.tier, int(info.nbytes)
+    msg.position, msg.created = int(info.position), stamp(info.created)
+    msg.checksum, msg.fingerprint = info.checksum, info.fingerprint
+    msg.components, msg.pinned = list(info.components), bool(info.pinned)
+    return msg
+
+
+def turn_request(goal):
+    """Convert a Generate goal to a TurnRequest."""
+    return TurnRequest(
+        prompt=goal.prompt, token_ids=tuple(goal.token_ids),
+        max_new_tokens=int(goal.max_new_tokens), temperature=float(goal.temperature),
+        top_k=int(goal.top_k), top_p=float(goal.top_p), seed=int(goal.seed),
+        stop=tuple(goal.stop), start_from=goal.start_from, save_as=goal.save_as,
+        save_tier=goal.save_tier)
+
+
+def result_msg(result):
+    """Convert a TurnResult to a Generate result."""
+    return Generate.Result(
+        success=result.success, message=result.message, text=result.text,
+        token_ids=list(result.token_ids), stop_reason=result.stop_reason,
+        time_to_first_token_ms=result.time_to_first_token_ms,
+        tokens_per_second=result.tokens_per_second, position=int(result.position))
+
+
+def token_chunk(turn, index, ids, text, stop_reason, final, now):
+    """Build the TokenChunk of a turn's tokens, stamped `now` (a builtin_interfaces Time)."""
+    chunk = TokenChunk(turn_id=turn.turn_id, index=index, token_ids=list(ids), text=text,
+                       final=final, stop_reason=stop_reason)
+    chunk.header.stamp = now
+    return chunk
+
+
+def joint_state_vector(msg, names):
+    """
+    Return the observation vector named by `names` ('<joint>/position|velocity|effort').
+
+    Raise ValueError naming what is missing.
+    """
+    if not names:
+        raise ValueError('the policy declares no observation_names, so a JointState cannot be '
+                         'mapped; publish the raw vector on ~/observation_vector')
+    index = {joint: i for i, joint in enumerate(msg.name)}
+    values = []
+    for name in names:
+        joint, _, field = name.rpartition('/')
+        data = getattr(msg, field, None) if field in ('position', 'velocity', 'effort') else None
+        if data is None or joint not in index or index[joint] >= len(data):
+            raise ValueError(f'JointState has no {field or "value"} for {joint or name!r} '
+                             f'(the policy needs {list(names)})')
+        values.append(float(data[index[joint]]))
+    return values
+
+
+def action_chunk(step, rows, names, now):
+    """Build the ActionChunk of action rows [[a_0..a_A-1], ...]."""
+    msg = ActionChunk(step=int(step), horizon=len(rows), action_dim=len(rows[0]),
+                      actions=[float(a) for row in rows for a in row], names=list(names))
+    msg.header.stamp = now
+    return msg
+
+
+def joint_trajectory(rows, names, dt, field, now):
+    """Build a JointTrajectory whose points are the rows, `dt` seconds apart, in `field`."""
+    trajectory = JointTrajectory(joint_names=list(names) or
+                                 [f'action_{i}' for i in range(len(rows[0]))])
+    trajectory.header.stamp = now
+    for i, row in enumerate(rows):
+        point = JointTrajectoryPoint(time_from_start=duration((i + 1) * dt))
+        setattr(point, field, [float(a) for a in row])
+        trajectory.points.append(point)
+    return trajectory
+
+
+def diagnostic_status(name, state_label, session):
+    """Build the node's DiagnosticStatus: lifecycle state, and the runtime's stats if any."""
+    status = DiagnosticStatus(name=name)
+    values = {'lifecycle_state': state_label}
+    if session is None:
+        status.level, status.message = DiagnosticStatus.WARN, 'unconfigured'
+    else:
+        try:
+            stats = session.runtime.stats()
+        except Exception as exc:
+            stats = None
+            status.level, status.message = DiagnosticStatus.WARN, f'no stats: {exc}'
+        if stats is not None:
+            status.hardware_id = str(stats.device)
+            values.update(model=stats.model, dtype=stats.dtype, state_bytes=stats.state_nbytes,
+                          position=stats.position, generating=session.turns.running is not None)
+            for tier, t in stats.tiers.items():
+                values[f'{tier}_capsules'] = t.count
+                values[f'{tier}_bytes_used'] = t.bytes_used
+                values[f'{tier}_budget_bytes'] = t.budget
+            values['rollback_ring_capsules'] = stats.rollback_ring.count
+            values['rollback_ring_bytes'] = stats.rollback_ring.bytes_used
+            values['last_restore_ms'] = f'{stats.last_restore_s * 1e3:.4f}'
+            values['p99_restore_ms'] = f'{stats.p99_restore_s * 1e3:.4f}'
+            values['last_restore_copied_bytes'] = stats.last_restore_copied_bytes
+            values['decode_tokens_per_s'] = f'{stats.decode_tokens_per_s:.1f}'
+            values['cuda_graph'] = stats.cuda_graph
+            values.update(session.mode.diagnostics(stats))
+            if state_label == 'active':
+                status.level, status.message = DiagnosticStatus.OK, 'active'
+            else:
+                status.level, status.message = DiagnosticStatus.WARN, state_label
+    status.values = [KeyValue(key=k, value=str(v)) for k, v in values.items()]
+    return status

@@ -1,0 +1,558 @@
+"""
+The `flashrt` lifecycle node: ROS 2 entities mapped onto the session layer and the runtime.
+
+Callbacks convert a message, call the session (who may touch the state, and when) or the
+runtime, and convert back. Callbacks that change the live state (capsule services,
+~/interrupt, ~/reset, ~/prompt, observations and the control timer) share one
+MutuallyExclusiveCallbackGroup: one writer. Cheap queries (list, digest, diagnostics) use a
+reentrant group and never wait for the writers. docs/architecture.md has the whole picture.
+"""
+
+import collections
+import functools
+import gc
+import time
+
+from diagnostic_msgs.msg import DiagnosticArray
+from flashrt_ros.action import Generate
+from flashrt_ros.msg import ActionChunk, CapsuleEvent, Interrupt, TokenChunk
+from flashrt_ros.qos import ACTIONS_QOS, COMMAND_QOS, DIAGNOSTICS_QOS, INTERRUPT_QOS
+from flashrt_ros.qos import OBSERVATION_QOS, STREAM_QOS
+from flashrt_ros.runtime import BusyError, FlashRTError, Runtime
+from flashrt_ros.runtime.capsule import TIERS
+from flashrt_ros.session import BUSY_MESSAGE, InterruptMode, Session, Turn, TurnRequest
+from flashrt_ros.srv import DeleteCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
+from rclpy.action import ActionServer, CancelResponse, GoalResponse
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
+try:
+    from rclpy.event_handler import PublisherEventCallbacks, SubscriptionEventCallbacks
+except ImportError:  # Humble: the same classes before their module was renamed in Iron
+    from rclpy.qos_event import PublisherEventCallbacks, SubscriptionEventCallbacks
+from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
+from rclpy.qos import qos_policy_name_from_kind
+from rclpy.subscription import Subscription
+from sensor_msgs.msg import JointState
+from std_msgs.msg import Empty, Float32MultiArray, String
+from std_srvs.srv import Trigger
+from trajectory_msgs.msg import JointTrajectory
+
+from . import messages, parameters
+from .events import EventPublisher
+from .outputs import RosOutputs
+
+NODE_NAME = 'flashrt'
+# No QoS event handlers on the node's entities (rclpy's own /parameter_events publisher
+# included) except ~/interrupt's: each is a waitable that the executor walks on every
+# wake-up, a cost on every service call. The peer's own handlers still report a mismatch.
+NO_PUB_EVENTS = PublisherEventCallbacks(use_default_callbacks=False)
+NO_SUB_EVENTS = SubscriptionEventCallbacks(use_default_callbacks=False)
+# rclpy passes a MessageInfo (the middleware's receipt time) to two-argument subscription
+# callbacks from Iron on; Humble calls callback(msg), and the node then uses its own clock.
+_MESSAGE_INFO = hasattr(Subscription, 'CallbackType')
+
+
+def _without_info(callback, msg):
+    callback(msg, None)
+
+
+def received_time(msg_info):
+    """Wall time the middleware received the message (falls back to now)."""
+    now = time.time()
+    received = ((msg_info or {}).get('received_timestamp') or 0) / 1e9
+    return received if now - 10.0 < received <= now + 0.001 else now
+
+
+class FlashRTNode(LifecycleNode):
+    """Managed node serving capsule services, the generate action and the control topics."""
+
+    def __init__(self, **kwargs):
+        super().__init__(NODE_NAME, **kwargs)
+        parameters.declare(self)
+        self._session = None                # Session while configured
+        self.outputs = RosOutputs(self)     # what the session publishes through
+        self._control_timer = None
+        self.tune_switch_interval = False   # main() sets it (session/turns.py says why)
+
+        self._state_group = MutuallyExclusiveCallbackGroup()
+        self._query_group = ReentrantCallbackGroup()
+        self._action_group = ReentrantCallbackGroup()
+
+        # Lifecycle publishers only publish while the node is active.
+        self.tokens_pub = self.create_lifecycle_publisher(TokenChunk, '~/tokens', STREAM_QOS)
+        events_pub = self.create_lifecycle_publisher(CapsuleEvent, '~/events', STREAM_QOS)
+        self._actions_pub = self.create_lifecycle_publisher(ActionChunk, '~/actions',
+                                                            ACTIONS_QOS)
+        self._trajectory_pub = None
+        if self._param('publish_joint_trajectory'):
+            self._trajectory_pub = self.create_lifecycle_publisher(
+                JointTrajectory, '~/joint_trajectory', ACTIONS_QOS)
+        # Diagnostics report in every state (also why the node is not active).
+        self._diag_pub = self.create_publisher(DiagnosticArray, '/diagnostics', DIAGNOSTICS_QOS)
+        self._events = EventPublisher(events_pub, self.get_logger())
+
+        state, query = self._state_group, self._query_group
+        for srv_type, name, callback, group in (
+                (Snapshot, '~/snapshot', self._snapshot_callback, state),
+                (Restore, '~/restore', self._restore_callback, state),
+                (Fork, '~/fork', self._fork_callback, state),
+                (Rollback, '~/rollback', self._rollback_callback, state),
+                (DeleteCapsule, '~/delete_capsule', self._delete_callback, state),
+                (ListCapsules, '~/list_capsules', self._list_callback, query),
+                (Trigger, '~/state_digest', self._digest_callback, query)):
+            self.create_service(srv_type, name, callback, callback_group=group)
+
+        self._action_server = ActionServer(
+            self, Generate, '~/generate', self._execute_callback,
+            callback_group=self._action_group,
+            goal_callback=self._goal_callback,
+            handle_accepted_callback=self._handle_accepted_callback,
+            cancel_callback=self._cancel_callback)
+
+        # A silent QoS mismatch on ~/interrupt would lose every interrupt: it is reported.
+        interrupt_events = SubscriptionEventCallbacks(
+            incompatible_qos=self._interrupt_qos_mismatch, use_default_callbacks=False)
+        for msg_type, topic, callback, qos, events in (
+                (String, '~/prompt', self._prompt_callback, COMMAND_QOS, None),
+                (Interrupt, '~/interrupt', self._interrupt_callback, INTERRUPT_QOS,
+                 interrupt_events),
+                (Empty, '~/reset', self._reset_callback, COMMAND_QOS, None),
+                (JointState, '~/observation', self._joint_state_callback, OBSERVATION_QOS,
+                 None),
+                (Float32MultiArray, '~/observation_vector', self._vector_callback,
+                 OBSERVATION_QOS, None)):
+            if not _MESSAGE_INFO and callback.__code__.co_argcount == 3:  # (self, msg, info)
+                callback = functools.partial(_without_info, callback)
+            self.create_subscription(msg_type, topic, callback, qos, callback_group=state,
+                                     event_callbacks=events)
+        self.create_timer(self._param('diagnostics_period'), self._diagnostics_callback,
+                          callback_group=query)
+
+    def create_publisher(self, *args, event_callbacks=None, **kwargs):
+        """Create a publisher with no QoS event handlers unless given (see NO_PUB_EVENTS)."""
+        return super().create_publisher(*args, event_callbacks=event_callbacks or NO_PUB_EVENTS,
+                                        **kwargs)
+
+    def create_lifecycle_publisher(self, *args, event_callbacks=None, **kwargs):
+        """Create a lifecycle publisher with no QoS event handlers unless given."""
+        return super().create_lifecycle_publisher(
+            *args, event_callbacks=event_callbacks or NO_PUB_EVENTS, **kwargs)
+
+    def create_subscription(self, *args, event_callbacks=None, **kwargs):
+        """Create a subscription with no QoS event handlers unless given (NO_SUB_EVENTS)."""
+        return super().create_subscription(
+            *args, event_callbacks=event_callbacks or NO_SUB_EVENTS, **kwargs)
+
+    def _param(self, name):
+        return self.get_parameter(name).value
+
+    @property
+    def session(self):
+        """Return the session layer over the configured runtime (None while unconfigured)."""
+        return self._session
+
+    @property
+    def active(self):
+        session = self._session
+        return session is not None and session.active
+
+    @property
+    def _runtime(self):
+        session = self._session
+        return session.runtime if session is not None else None
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def on_configure(self, state):
+        """Load the model, allocate the state arena and start the session."""
+        runtime = None
+        try:
+            for name in parameters.CHOICES:
+                problem = parameters.choice_problem(name, self._param(name))
+                if problem:
+                    raise FlashRTError(problem)
+            config = parameters.runtime_config(self)
+            t0 = time.perf_counter()
+            runtime = Runtime(config)
+            session = Session(runtime, self._param('mode'), self._param, self.outputs)
+        except Exception as exc:  # FlashRTError, or an import/OS error loading the model
+            self.get_logger().error(f'configure failed: {exc}; fix the parameters and configure '
+                                    'again (lifecycle ~/change_state)')
+            if runtime is not None:
+                runtime.close()
+            return TransitionCallbackReturn.FAILURE
+        self.get_logger().info(
+            f'configured {config.model} on {config.device} ({config.dtype}): state '
+            f'{runtime.state_nbytes} bytes {list(runtime.components)} in '
+            f'{time.perf_counter() - t0:.1f} s')
+        period = session.mode.tick_period()
+        if period is not None:
+            self._control_timer = self.create_timer(period, self._control_tick,
+                                                    callback_group=self._state_group)
+        session.turns.tune_switch_interval = self.tune_switch_interval
+        session.turns.start()
+        self._session = session
+        return super().on_configure(state)
+
+    def on_activate(self, state):
+        """Warm up, prefill the system prompt and snapshot the home capsule."""
+        session = self._session
+        home = self._param('home_capsule')
+        try:
+            info = session.warm_up(home, self._param('system_prompt'))
+        except Exception as exc:
+            self.get_logger().error(f'activate failed: {exc}')
+            return TransitionCallbackReturn.FAILURE
+        result = super().on_activate(state)  # activates the lifecycle publishers
+        session.turns.set_active(True)
+        if info is not None:
+            self.publish_event('snapshot', info.name, info.tier, info.nbytes,
+                               info.latency_s * 1e3, True,
+                               f'home capsule at position {info.position}')
+        # The model, arena and warm-up left many long-lived objects; a full collection over
+        # them is slow and could land in the middle of a decode step or an interrupt. Move
+        # them out of the collector's reach.
+        gc.collect()
+        gc.freeze()
+        self.get_logger().info(f'active: home capsule {home!r} at position '
+                               f'{session.runtime.position}')
+        return result
+
+    def on_deactivate(self, state):
+        """Stop the running generation at its next step and drop queued turns."""
+        if not self._session.deactivate('the node was deactivated before the turn started'):
+            self.get_logger().warning('the generation did not stop within interrupt_timeout')
+        self._events.flush()  # events of the active phase go out before ~/events is disabled
+        return super().on_deactivate(state)
+
+    def on_cleanup(self, state):
+        """Free the model, arena and memory capsules (disk capsules stay)."""
+        self._release_session()
+        return super().on_cleanup(state)
+
+    def on_shutdown(self, state):
+        """Stop everything, from any state."""
+        if self._session is not None:
+            self._session.deactivate('the node is shutting down')
+        self._release_session()
+        return super().on_shutdown(state)
+
+    def on_error(self, state):
+        """Free what is left; the node goes back to unconfigured."""
+        self.get_logger().error(f'lifecycle error in state {state.label}; cleaning up')
+        self._release_session()
+        return TransitionCallbackReturn.SUCCESS
+
+    def _release_session(self):
+        session, self._session = self._session, None
+        if self._control_timer is not None:
+            self.destroy_timer(self._control_timer)
+            self._control_timer = None
+        if session is not None:
+            try:
+                session.close()
+            except Exception as exc:
+                self.get_logger().warning(f'closing the runtime: {exc}')
+
+    def destroy_node(self):
+        """Stop the events thread, then destroy the node."""
+        self._events.close()
+        super().destroy_node()
+
+    def state_label(self):
+        if self.active:
+            return 'active'
+        return 'inactive' if self._session is not None else 'unconfigured'
+
+    def not_active_message(self):
+        return (f'the node is {self.state_label()}; configure and activate it '
+                '(lifecycle ~/change_state) first')
+
+    # ---- outputs -----------------------------------------------------------------------
+
+    def publish_event(self, operation, name, tier, size_bytes, latency_ms, success, message,
+                      stamp=None):
+        """Queue a CapsuleEvent, stamped now (or `stamp`), for the events thread."""
+        if not self.active:
+            return
+        rt = self._runtime
+        fields = {'operation': operation, 'name': name or '', 'tier': tier or '',
+                  'size_bytes': max(0, int(size_bytes)), 'latency_ms': float(latency_ms),
+                  'position': int(rt.position) if rt is not None else 0,
+                  'success': bool(success), 'message': message}
+        self._events.put(fields, stamp or self.get_clock().now())
+
+    def publish_evictions(self):
+        """Report capsules the lru budget policy evicted to make room."""
+        rt = self._runtime
+        if rt is None:
+            return
+        for info in rt.drain_evictions():
+            self.get_logger().info(f'evicted capsule {info.name!r} ({info.tier}, '
+                                   f'{info.nbytes} bytes) to stay within the budget')
+            self.publish_event('evict', info.name, info.tier, info.nbytes, 0.0, True,
+                               'evicted (least recently used) to stay within the budget')
+
+    def publish_actions(self, step, rows, names):
+        """Publish action rows as an ActionChunk (and a JointTrajectory if enabled)."""
+        now = self.get_clock().now().to_msg()
+        self._actions_pub.publish(messages.action_chunk(step, rows, names, now))
+        if self._trajectory_pub is not None:
+            self._trajectory_pub.publish(messages.joint_trajectory(
+                rows, names, 1.0 / self._param('control_rate'),
+                self._param('trajectory_field'), now))
+
+    # ---- capsule services ------------------------------------------------------------
+
+    def _call(self, operation, name, tier, response, call):
+        """Return call()'s CapsuleInfo, or None with the failure in response and ~/events."""
+        if not self.active:
+            response.success, response.message = False, self.not_active_message()
+            return None
+        try:
+            return call()
+        except FlashRTError as exc:
+            message = BUSY_MESSAGE if isinstance(exc, BusyError) else str(exc)
+            self.get_logger().warning(f'{operation} {name!r} failed: {message}')
+        except Exception as exc:  # a bug, not bad input: report it and keep serving
+            message = f'internal error in {operation}: {exc!r}'
+            self.get_logger().error(message)
+        self.publish_event(operation, name, tier, 0, 0.0, False, message)
+        response.success, response.message = False, message
+        return None
+
+    def _succeed(self, operation, info, response, message):
+        response.success, response.message = True, message
+        self.publish_event(operation, info.name, info.tier, info.nbytes, info.latency_s * 1e3,
+                           True, message)
+        self.publish_evictions()
+        return response
+
+    @staticmethod
+    def _fill(response, info):
+        messages.info_msg(info, response.capsule)
+        response.latency_ms = info.latency_s * 1e3
+
+    def _snapshot_callback(self, request, response):
+        tier = request.tier or 'device'
+        info = self._call('snapshot', request.name, tier, response,
+                          lambda: self._runtime.snapshot(request.name, tier, request.pinned))
+        if info is None:
+            return response
+        self._fill(response, info)
+        return self._succeed('snapshot', info, response, (
+            f'snapshot {info.name!r}: {info.nbytes} bytes in {info.tier} at position '
+            f'{info.position}, {response.latency_ms:.3f} ms'))
+
+    def _restore_callback(self, request, response):
+        mode = request.mode or Restore.Request.MODE_FULL
+        info = self._call('restore', request.name, '', response,
+                          lambda: self._session.restore(request.name, mode))
+        if info is None:
+            return response
+        self._fill(response, info)
+        return self._succeed('restore', info, response, (
+            f'restored {info.name!r} ({mode}) from {info.tier}: position {info.position}, '
+            f'{response.latency_ms:.3f} ms'))
+
+    def _fork_callback(self, request, response):
+        info = self._call('fork', request.target, request.tier, response,
+                          lambda: self._runtime.fork(request.source, request.target,
+                                                     request.tier or None))
+        if info is None:
+            return response
+        self._fill(response, info)
+        return self._succeed('fork', info, response, (
+            f'forked {request.source!r} -> {info.name!r} in {info.tier} ({info.nbytes} bytes), '
+            f'{response.latency_ms:.3f} ms'))
+
+    def _rollback_callback(self, request, response):
+        boundaries = max(1, int(request.boundaries))
+        info = self._call('rollback', '', 'device', response,
+                          lambda: self._session.rollback(boundaries))
+        if info is None:
+            return response
+        self._fill(response, info)
+        response.position = int(info.position)
+        return self._succeed('rollback', info, response, (
+            f'rolled back {boundaries} boundaries to position {info.position}, '
+            f'{response.latency_ms:.3f} ms'))
+
+    def _delete_callback(self, request, response):
+        info = self._call('delete', request.name, '', response,
+                          lambda: self._runtime.delete_capsule(request.name))
+        if info is None:
+            return response
+        response.freed_bytes = int(info.nbytes)
+        return self._succeed('delete', info, response, (
+            f'deleted {info.name!r} from {info.tier}, freed {info.nbytes} bytes'))
+
+    def _list_callback(self, request, response):
+        rt = self._runtime
+        if rt is None:
+            response.success, response.message = False, self.not_active_message()
+            return response
+        try:
+            unreadable = []
+            infos = rt.list_capsules(request.tier or None, unreadable)
+        except FlashRTError as exc:
+            response.success, response.message = False, str(exc)
+            return response
+        except Exception as exc:
+            response.success, response.message = False, f'internal error in list: {exc!r}'
+            self.get_logger().error(response.message)
+            return response
+        response.capsules = [messages.info_msg(i) for i in infos]
+        counts = collections.Counter(i.tier for i in infos)
+        tiers = ', '.join(f'{t} {counts.get(t, 0)}' for t in TIERS)
+        response.success = True
+        response.message = (f'{len(infos)} capsules ({tiers}); live position {rt.position}; '
+                            f'node {self.state_label()}')
+        if unreadable:
+            response.message += (
+                f'; {len(unreadable)} unreadable capsule files on disk, not listed '
+                f'({", ".join(unreadable[:5])}): restore one to see why, delete it to free '
+                'its space')
+        return response
+
+    def _digest_callback(self, request, response):
+        """Answer the sha256 of the live state (waits for the next step boundary)."""
+        rt = self._runtime
+        if rt is None:
+            response.success, response.message = False, self.not_active_message()
+            return response
+        try:
+            response.message = rt.state_digest()
+            response.success = True
+        except Exception as exc:
+            response.success, response.message = False, str(exc)
+        return response
+
+    # ---- interrupt and reset topics --------------------------------------------------
+
+    def _interrupt_callback(self, msg, msg_info):
+        self._apply_interrupt('interrupt', msg.mode, max(1, msg.boundaries), msg.capsule,
+                              msg.reason, received_time(msg_info))
+
+    def _reset_callback(self, msg, msg_info):
+        self._apply_interrupt('reset', InterruptMode.RESTORE, 1, '', 'reset',
+                              received_time(msg_info))
+
+    def _apply_interrupt(self, operation, mode, boundaries, capsule, reason, received):
+        session = self._session
+        if session is None or not session.active:
+            self.get_logger().warning(f'{operation} ignored: {self.not_active_message()}')
+            return
+        session.interrupts.apply(operation, mode, boundaries, capsule, reason, received)
+
+    def _interrupt_qos_mismatch(self, event):
+        policy = qos_policy_name_from_kind(event.last_policy_kind)
+        self.get_logger().error(
+            f'a publisher on ~/interrupt offers QoS incompatible with this subscription '
+            f'(policy {policy}): none of its interrupts will arrive. Publish them RELIABLE, '
+            'VOLATILE (flashrt_ros.qos.INTERRUPT_QOS).')
+
+    # ---- observations and the control timer ------------------------------------------
+
+    def _observing_mode(self):
+        """Return the session's mode if it takes observations now, else None (and warn)."""
+        session = self._session
+        if session is not None and session.active and session.mode.accepts_observations:
+            return session.mode
+        reason = (f'the node runs mode {session.mode.name}' if self.active
+                  else self.not_active_message())
+        self.outputs.log('warning', f'observation ignored: {reason}', throttle_s=5.0)
+        return None
+
+    def _joint_state_callback(self, msg, msg_info):
+        """Build the observation vector from a JointState by the policy's observation_names."""
+        mode = self._observing_mode()
+        if mode is None:
+            return
+        try:
+            values = messages.joint_state_vector(msg, mode.observation_names)
+        except ValueError as exc:
+            mode.reject_observation(str(exc))
+            return
+        mode.observe(values, received_time(msg_info))
+
+    def _vector_callback(self, msg, msg_info):
+        """Take a Float32MultiArray as the raw observation vector."""
+        mode = self._observing_mode()
+        if mode is not None:
+            mode.observe(list(msg.data), received_time(msg_info))
+
+    def _control_tick(self):
+        session = self._session
+        if session is not None and session.active:
+            session.mode.tick()
+
+    # ---- generation: the action and ~/prompt -------------------------------------------
+
+    def _reserve(self, source):
+        session = self._session
+        refusal = (session.reserve_turn(source) if session is not None
+                   else self.not_active_message())
+        if refusal:
+            self.get_logger().warning(refusal)
+        return not refusal
+
+    def _goal_callback(self, goal_request):
+        return GoalResponse.ACCEPT if self._reserve('goal') else GoalResponse.REJECT
+
+    def _handle_accepted_callback(self, goal_handle):
+        # The goal stays ACCEPTED (not EXECUTING) while queued; the generation thread has
+        # it executed when the turn starts.
+        turn = Turn(messages.turn_request(goal_handle.request), goal_handle)
+        session = self._session
+        if session is None:  # cleaned up since it was accepted: report it unknown
+            self.outputs.start_goal(turn)
+            return
+        session.turns.enqueue(turn, bytes(goal_handle.goal_id.uuid))
+
+    def _cancel_callback(self, goal_handle):
+        session = self._session
+        accepted = session is not None and session.turns.cancel(
+            bytes(goal_handle.goal_id.uuid), goal_handle.is_active)
+        return CancelResponse.ACCEPT if accepted else CancelResponse.REJECT
+
+    def _execute_callback(self, goal_handle):
+        """Wait for the generation thread to finish this goal's turn; report the result."""
+        key = bytes(goal_handle.goal_id.uuid)
+        session = self._session
+        turns = session.turns if session is not None else None
+        turn = turns.goal_turn(key) if turns is not None else None
+        if turn is None:
+            goal_handle.abort()
+            return Generate.Result(success=False, message='unknown goal', stop_reason='error')
+        while not turn.done.wait(0.2):
+            if not self.context.ok():
+                break
+        if turn.cancel_requested:
+            # rclpy moves the goal to CANCELING only after the cancel callback returns, and a
+            # turn cancelled before it started can be over before that.
+            deadline = time.monotonic() + 1.0
+            while not goal_handle.is_cancel_requested and time.monotonic() < deadline:
+                time.sleep(0.001)
+        if goal_handle.is_cancel_requested:
+            goal_handle.canceled()
+        elif turn.result.success:
+            goal_handle.succeed()
+        else:
+            goal_handle.abort()
+        turns.forget_goal(key)  # after the final status: a cancel until then finds it settled
+        return messages.result_msg(turn.result)
+
+    def _prompt_callback(self, msg):
+        session = self._session
+        if self._reserve('prompt'):
+            session.turns.enqueue(Turn(TurnRequest(prompt=msg.data)))
+
+    # ---- diagnostics -----------------------------------------------------------------
+
+    def _diagnostics_callback(self):
+        status = messages.diagnostic_status(
+            f'{self.get_fully_qualified_name()}: capsule runtime', self.state_label(),
+            self._session)
+        array = DiagnosticArray(status=[status])
+        array.header.stamp = self.get_clock().now().to_msg()
+        self._diag_pub.publish(array)

@@ -1,0 +1,153 @@
+"""The node's parameters, declared from one table (runtime settings default to RuntimeConfig's)."""
+
+import dataclasses
+
+from flashrt_ros.runtime import RuntimeConfig
+from flashrt_ros.runtime.config import DTYPES, EVICTION_POLICIES
+from flashrt_ros.session import MODES, POLICY_MODES
+from flashrt_ros.session.policy import STEPPINGS
+from flashrt_ros.session.turns import GOAL_POLICIES
+from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
+from rcl_interfaces.msg import ParameterType, SetParametersResult
+
+from .messages import TRAJECTORY_FIELDS
+
+# Parameters that build the Runtime; a change takes effect at the next configure.
+RUNTIME_PARAMS = tuple(f.name for f in dataclasses.fields(RuntimeConfig))
+_RUNTIME_DEFAULTS = RuntimeConfig()
+_MAX_INT = 2 ** 62
+_REBUILD = ' Takes effect at the next configure.'
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """One row of the table: a parameter, its default and its constraints."""
+
+    name: str
+    default: object
+    description: str
+    choices: tuple = ()
+    integer: tuple = None       # (from, to)
+    floating: tuple = None      # (from, to)
+    string_array: bool = False
+    constraints: str = ''       # said in the descriptor when there are no choices
+
+    def descriptor(self):
+        rebuild = _REBUILD if self.name in RUNTIME_PARAMS or self.name in _AT_CONFIGURE else ''
+        constraints = ' | '.join(self.choices) or self.constraints
+        d = ParameterDescriptor(description=self.description + rebuild,
+                                additional_constraints=constraints)
+        if self.string_array:
+            d.type = ParameterType.PARAMETER_STRING_ARRAY
+        if self.integer is not None:
+            d.integer_range = [IntegerRange(from_value=self.integer[0],
+                                            to_value=self.integer[1], step=1)]
+        if self.floating is not None:
+            d.floating_point_range = [FloatingPointRange(from_value=self.floating[0],
+                                                         to_value=self.floating[1], step=0.0)]
+        return d
+
+
+def _runtime(name, description, **constraints):
+    return Param(name, getattr(_RUNTIME_DEFAULTS, name), description, **constraints)
+
+
+# Read at configure too, though not part of RuntimeConfig.
+_AT_CONFIGURE = ('mode', 'stepping', 'control_rate')
+
+PARAMETERS = (
+    Param('autostart', True,
+          'Walk through configure and activate at startup, so a plain `ros2 run` serves.'),
+    Param('mode', 'lm',
+          'lm: a language model (~/generate, ~/prompt); policy: a robot policy '
+          '(~/observation -> ~/actions). Must match the model.', choices=tuple(MODES)),
+    _runtime('model', 'Model: builtin:<id> (random weights, no download) or a local checkpoint '
+             'directory (save_pretrained folder with its tokenizer).'),
+    _runtime('device', 'Device: cpu, cuda or cuda:N.', constraints='cpu | cuda | cuda:N'),
+    _runtime('dtype', 'Weight and state dtype.', choices=DTYPES),
+    _runtime('max_seq_len', 'KV capacity in tokens; the state arena is sized for it.',
+             integer=(8, 1 << 20)),
+    _runtime('device_budget_bytes', 'Byte budget of the device capsule tier (0 = unlimited).',
+             integer=(0, _MAX_INT)),
+    _runtime('host_budget_bytes', 'Byte budget of the host-memory capsule tier (0 = unlimited).',
+             integer=(0, _MAX_INT)),
+    _runtime('disk_budget_bytes', 'Byte budget of the capsule directory (0 = unlimited).',
+             integer=(0, _MAX_INT)),
+    _runtime('capsule_dir', 'Directory of the disk tier; capsules there outlive the node.'),
+    _runtime('eviction', 'When a tier is full: refuse the snapshot, or evict least-recently-'
+             'used unpinned capsules.', choices=EVICTION_POLICIES),
+    _runtime('cuda_graphs', 'Capture the decode step as a CUDA graph at activation (ignored '
+             'on CPU).'),
+    _runtime('rollback_depth', 'Committed boundaries kept for ~/rollback.', integer=(0, 1024)),
+    _runtime('seed', 'Initial sampler seed.', integer=(0, 2 ** 31 - 1)),
+    Param('home_capsule', 'home',
+          'Name of the capsule taken at activation (system prompt prefilled); ~/reset and the '
+          'restore_home policy restore it.'),
+    Param('system_prompt', 'You are a helpful robot.',
+          'Text prefilled at activation before the home capsule is taken (may be empty; '
+          'ignored in policy mode).'),
+    Param('interrupt_policy', 'stop',
+          'What an interrupt (or a goal cancel) does after stopping at the step boundary: stop '
+          '(keep that state), rollback (one committed boundary back) or restore_home.',
+          choices=tuple(POLICY_MODES)),
+    Param('goal_policy', 'reject',
+          'A generation request while one is running or queued: reject it, or queue it.',
+          choices=GOAL_POLICIES),
+    Param('max_new_tokens', 64, 'Token limit of a turn when the goal says 0 (and for ~/prompt).',
+          integer=(1, 1 << 20)),
+    Param('token_chunk', 1, 'Tokens per TokenChunk on ~/tokens and in the action feedback.',
+          integer=(1, 4096)),
+    Param('stop_strings', [], 'Stop strings used when a goal gives none (and for ~/prompt).',
+          string_array=True),
+    Param('interrupt_timeout', 5.0,
+          'Seconds ~/interrupt, ~/reset and deactivate wait for the generation to reach a step '
+          'boundary.', floating=(0.01, 600.0)),
+    Param('stepping', 'observation',
+          'Policy mode. observation: one control step per observation message, whole chunk '
+          'published; timer: control_rate timer steps on the newest observation and publishes '
+          'one queued action per tick.', choices=STEPPINGS),
+    Param('control_rate', 10.0,
+          'Policy mode: control steps per second of the timer, and the spacing of '
+          'JointTrajectory points.', floating=(0.1, 1000.0)),
+    Param('publish_joint_trajectory', False,
+          'Policy mode: also publish actions as trajectory_msgs/JointTrajectory on '
+          '~/joint_trajectory (read at startup).'),
+    Param('trajectory_field', 'positions', 'JointTrajectoryPoint field the actions fill.',
+          choices=TRAJECTORY_FIELDS),
+    Param('diagnostics_period', 1.0, 'Seconds between /diagnostics messages (read at startup).',
+          floating=(0.05, 3600.0)),
+)
+CHOICES = {p.name: p.choices for p in PARAMETERS if p.choices}
+
+
+def choice_problem(name, value):
+    """Say why `value` is not one of parameter `name`'s choices ('' when it is)."""
+    allowed = CHOICES.get(name)
+    if allowed is not None and value not in allowed:
+        return f'parameter {name}={value!r} is not valid; use one of {", ".join(allowed)}'
+    return ''
+
+
+def declare(node):
+    """Declare every parameter on `node` and refuse a bad choice when one is set."""
+    for p in PARAMETERS:
+        node.declare_parameter(p.name, p.default, p.descriptor())
+    for parameter in node.get_parameters(list(CHOICES)):
+        problem = choice_problem(parameter.name, parameter.value)
+        if problem:
+            node.get_logger().error(problem)
+    node.add_on_set_parameters_callback(_validate)
+
+
+def _validate(parameters):
+    for parameter in parameters:
+        problem = choice_problem(parameter.name, parameter.value)
+        if problem:
+            return SetParametersResult(successful=False, reason=problem)
+    return SetParametersResult(successful=True)
+
+
+def runtime_config(node):
+    """Return the RuntimeConfig the node's parameters describe (ConfigError if invalid)."""
+    return RuntimeConfig.from_dict({name: node.get_parameter(name).value
+                                    for name in RUNTIME_PARAMS})

@@ -1,0 +1,25 @@
+"""QoS profiles of the node's topics, used by the node and its clients alike."""
+
+from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
+
+_RELIABLE = {'history': HistoryPolicy.KEEP_LAST, 'reliability': ReliabilityPolicy.RELIABLE,
+             'durability': DurabilityPolicy.VOLATILE}
+
+# ~/tokens and ~/events: a speech or UI consumer sees every chunk and every capsule operation
+# in order; the depth bounds what a stalled subscriber piles up; a late joiner has no use
+# for old tokens.
+STREAM_QOS = QoSProfile(depth=100, **_RELIABLE)
+# ~/interrupt: an interrupt (e-stop, barge-in) is never dropped, even in a burst while the
+# state group is busy. Publishers must be RELIABLE too.
+INTERRUPT_QOS = QoSProfile(depth=1000, **_RELIABLE)
+# ~/prompt, ~/reset, and ~/actions, ~/joint_trajectory: commands, and a controller needs every
+# chunk in order while a stalled one should not pile up stale actions.
+COMMAND_QOS = QoSProfile(depth=10, **_RELIABLE)
+ACTIONS_QOS = COMMAND_QOS
+# ~/observation*: BEST_EFFORT matches sensor publishers of either reliability; depth 1 because
+# a control step acts on the newest observation, never on a backlog.
+OBSERVATION_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1,
+                             reliability=ReliabilityPolicy.BEST_EFFORT,
+                             durability=DurabilityPolicy.VOLATILE)
+# /diagnostics: the system default (reliable, depth 10), what diagnostic_aggregator expects.
+DIAGNOSTICS_QOS = 10

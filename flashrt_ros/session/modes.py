@@ -1,0 +1,54 @@
+"""
+The seam between the session and the kind of model it serves.
+
+A mode is one module (lm.py, policy.py; speech goes beside them) with one Mode subclass.
+The node and the session call only the methods below; whatever a kind of model needs
+beyond them (its inputs, its outputs) stays inside its module.
+"""
+
+
+class Mode:
+    """What differs between kinds of model; the defaults are those of a mode that has none."""
+
+    name = ''
+    kind = ''  # the kind of model, for messages ('a language model')
+    accepts_observations = False  # whether ~/observation* feed it (observe, reject_observation)
+
+    def __init__(self, runtime, param, outputs):
+        self.runtime = runtime
+        self._param = param
+        self._out = outputs
+
+    @staticmethod
+    def serves(runtime):
+        """Whether this mode can drive `runtime`'s model."""
+        raise NotImplementedError
+
+    def turn_refusal(self, source):
+        """Why a generation request (~/generate goal, ~/prompt) is refused; '' if it runs."""
+        return f'{source} rejected: the node runs mode {self.name}, which runs no turns'
+
+    def run_turn(self, turn, should_stop):
+        """Run a turn's generation (generation thread); return its result or None if failed."""
+        raise NotImplementedError(f'mode {self.name} runs no turns')
+
+    def prepare_home(self, system_prompt):
+        """Bring a freshly reset state to what the home capsule holds."""
+
+    def tick(self):
+        """One period of the stepping timer (see tick_period)."""
+
+    def tick_period(self):
+        """Seconds between tick() calls, or None for no timer."""
+        return None
+
+    def forget_inputs(self, before=None):
+        """Drop inputs received before `before` (default now): they belong to a past episode."""
+
+    def after_interrupt(self):
+        """Finish an interrupt or reset for this mode; return a note for its event."""
+        return ''
+
+    def diagnostics(self, stats):
+        """Mode-specific diagnostic values {key: value} from the runtime's stats."""
+        return {}

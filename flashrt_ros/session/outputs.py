@@ -1,0 +1,32 @@
+"""Where the session layer publishes and logs: implemented by the node, or by a test."""
+
+
+class Outputs:
+    """The session's side effects; every method may be called from any session thread."""
+
+    def event(self, operation, name, tier, size_bytes, latency_ms, success, message,
+              stamp=None):
+        """Report a capsule operation (stamp: now() of when it happened, default now)."""
+
+    def evictions(self):
+        """Report the capsules the lru budget policy evicted since the last call."""
+
+    def chunk(self, turn, index, ids, text, stop_reason, final=False):
+        """Stream a chunk of a turn's tokens (index: of its first token in the turn)."""
+
+    def actions(self, step, rows, names):
+        """Publish action rows [[a_0 .. a_A-1], ...] of the control step `step`."""
+
+    def start_goal(self, turn):
+        """Tell a turn's caller it starts, or ended unstarted, so that it may report it."""
+
+    def not_active_message(self):
+        """Why requests are refused while the session is not active."""
+        return 'not active'
+
+    def now(self):
+        """Return a stamp for an event happening at this moment, by the node's clock."""
+        return None
+
+    def log(self, level, message, throttle_s=None):
+        """Log at 'info', 'warning' or 'error' (at most once per throttle_s seconds)."""

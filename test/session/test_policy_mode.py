@@ -1,0 +1,77 @@
+"""Policy mode: the observation gate, observation and timer stepping, interrupts."""
+
+import time
+
+from flashrt_ros.runtime import FlashRTError
+from flashrt_ros.session import InterruptMode, Session
+import pytest
+
+POLICY = 'builtin:tiny-policy'
+
+
+def _obs(session, value=0.1):
+    return [value] * session.runtime.policy_spec.obs_dim
+
+
+def test_observation_stepping_publishes_each_chunk(make_session):
+    session, out = make_session(POLICY, 'policy')
+    session.mode.observe(_obs(session), time.time())
+    step, rows, names = out.actions_out[-1]
+    assert step == session.runtime.position == 1
+    assert len(rows) == session.runtime.policy_spec.horizon
+    assert names == list(session.runtime.policy_spec.joint_names)
+
+
+def test_bad_observations_leave_the_state_and_say_why(make_session):
+    session, out = make_session(POLICY, 'policy')
+    digest = session.runtime.state_digest()
+    session.mode.observe([0.0], time.time())
+    session.mode.observe([float('nan')] * session.runtime.policy_spec.obs_dim, time.time())
+    assert session.runtime.state_digest() == digest and not out.actions_out
+    rejected = [e for e in out.events if e['operation'] == 'observation']
+    assert len(rejected) == 2 and not any(e['success'] for e in rejected)
+    assert all('state unchanged at step 0' in e['message'] for e in rejected)
+
+
+def test_observations_sent_before_an_interrupt_are_dropped(make_session):
+    session, out = make_session(POLICY, 'policy')
+    sent = time.time()
+    session.interrupts.apply('interrupt', InterruptMode.STOP, 1, '', '', time.time())
+    assert out.events[-1]['message'].endswith('; action queue dropped')
+    session.mode.observe(_obs(session), sent)
+    assert not out.actions_out and session.runtime.position == 0
+    session.mode.observe(_obs(session), time.time())
+    assert len(out.actions_out) == 1
+
+
+def test_restore_and_rollback_forget_older_observations(make_session):
+    session, out = make_session(POLICY, 'policy')
+    session.mode.observe(_obs(session), time.time())
+    sent = time.time()
+    session.rollback(1)
+    session.mode.observe(_obs(session), sent)
+    assert len(out.actions_out) == 1 and session.runtime.position == 0
+
+
+def test_timer_stepping_steps_on_the_newest_and_sends_one_action_a_tick(make_session, settings):
+    settings['stepping'] = 'timer'
+    session, out = make_session(POLICY, 'policy')
+    assert session.mode.tick_period() == pytest.approx(1 / 50.0)
+    session.mode.observe(_obs(session, 0.1), time.time())
+    session.mode.observe(_obs(session, 0.2), time.time())
+    assert session.runtime.position == 0, 'timer stepping acts only on a tick'
+    session.mode.tick()
+    assert session.runtime.position == 1 and len(out.actions_out) == 1
+    assert len(out.actions_out[0][1]) == 1, 'a tick publishes one action'
+    queued = session.runtime.pending_actions()
+    session.mode.tick()  # no new observation: the next queued action
+    assert session.runtime.position == 1
+    assert out.actions_out[1][1] == [queued[0].tolist()]
+
+
+def test_a_policy_session_runs_no_turns_and_a_wrong_mode_is_refused(make_session, tmp_path):
+    session, _ = make_session(POLICY, 'policy')
+    assert 'publish observations on ~/observation' in session.reserve_turn('goal')
+    with pytest.raises(FlashRTError, match='is a robot policy; set mode to policy'):
+        Session(session.runtime, 'lm', {}.get, session._out)
+    assert session.mode.diagnostics(session.runtime.stats()).keys() == {'control_step_ms'}
