@@ -21,23 +21,17 @@ def generate_launch_description():
     """Start the flashrt lifecycle node; with autostart it walks itself to active."""
     default_params = os.path.join(get_package_share_directory('flashrt_ros'), 'config',
                                   'flashrt.yaml')
-    arguments = [
-        DeclareLaunchArgument('model', default_value='builtin:tiny-hybrid',
-                              description='builtin:<id> or a local checkpoint directory'),
-        DeclareLaunchArgument('mode', default_value='lm',
-                              description='lm | policy (must match the model)'),
-        DeclareLaunchArgument('device', default_value='cpu', description='cpu | cuda | cuda:N'),
-        DeclareLaunchArgument('dtype', default_value='float32',
-                              description='float32 | bfloat16 | float16'),
-        DeclareLaunchArgument('params_file', default_value=default_params,
-                              description='parameter file (see config/flashrt.yaml)'),
-        DeclareLaunchArgument('namespace', default_value='',
-                              description='namespace of the node (and of its topics)'),
-        DeclareLaunchArgument('log_level', default_value='info',
-                              description='debug | info | warn | error'),
-        DeclareLaunchArgument('autostart', default_value='true',
-                              description='configure and activate at startup'),
-    ]
+    arguments = [DeclareLaunchArgument(name, default_value=default, description=description)
+                 for name, default, description in (
+                     ('model', 'builtin:tiny-hybrid',
+                      'builtin:<id> or a local checkpoint directory'),
+                     ('mode', 'lm', 'lm | policy (must match the model)'),
+                     ('device', 'cpu', 'cpu | cuda | cuda:N'),
+                     ('dtype', 'float32', 'float32 | bfloat16 | float16'),
+                     ('params_file', default_params, 'parameter file (see config/flashrt.yaml)'),
+                     ('namespace', '', 'namespace of the node (and of its topics)'),
+                     ('log_level', 'info', 'debug | info | warn | error'),
+                     ('autostart', 'true', 'configure and activate at startup'))]
     node = LifecycleNode(
         package='flashrt_ros',
         executable='flashrt_node',

@@ -47,23 +47,18 @@ def generate_launch_description():
     """Start one flashrt node per namespace in `namespaces`."""
     default_params = os.path.join(get_package_share_directory('flashrt_ros'), 'config',
                                   'flashrt.yaml')
-    return LaunchDescription([
-        DeclareLaunchArgument('namespaces', default_value='left_arm,right_arm',
-                              description='comma-separated namespaces, one node each'),
-        DeclareLaunchArgument('model', default_value='builtin:tiny-hybrid',
-                              description='builtin:<id> or a local checkpoint directory'),
-        DeclareLaunchArgument('mode', default_value='lm',
-                              description='lm | policy (must match the model)'),
-        DeclareLaunchArgument('device', default_value='cpu', description='cpu | cuda | cuda:N'),
-        DeclareLaunchArgument('dtype', default_value='float32',
-                              description='float32 | bfloat16 | float16'),
-        DeclareLaunchArgument('params_file', default_value=default_params,
-                              description='parameter file shared by the instances'),
-        DeclareLaunchArgument('capsule_root', default_value='~/.cache/flashrt_ros/capsules',
-                              description='parent of the per-instance capsule directories'),
-        DeclareLaunchArgument('log_level', default_value='info',
-                              description='debug | info | warn | error'),
-        DeclareLaunchArgument('autostart', default_value='true',
-                              description='configure and activate each node at startup'),
-        OpaqueFunction(function=_instances),
-    ])
+    arguments = [DeclareLaunchArgument(name, default_value=default, description=description)
+                 for name, default, description in (
+                     ('namespaces', 'left_arm,right_arm',
+                      'comma-separated namespaces, one node each'),
+                     ('model', 'builtin:tiny-hybrid',
+                      'builtin:<id> or a local checkpoint directory'),
+                     ('mode', 'lm', 'lm | policy (must match the model)'),
+                     ('device', 'cpu', 'cpu | cuda | cuda:N'),
+                     ('dtype', 'float32', 'float32 | bfloat16 | float16'),
+                     ('params_file', default_params, 'parameter file shared by the instances'),
+                     ('capsule_root', '~/.cache/flashrt_ros/capsules',
+                      'parent of the per-instance capsule directories'),
+                     ('log_level', 'info', 'debug | info | warn | error'),
+                     ('autostart', 'true', 'configure and activate each node at startup'))]
+    return LaunchDescription(arguments + [OpaqueFunction(function=_instances)])

@@ -14,7 +14,7 @@ import pytest
 launch_testing = pytest.importorskip(
     'launch_testing',
     reason='launch_testing is not installed (it is not on the package index; see '
-           'ENVIRONMENT.md); test/node covers the same behaviour with the node as a process')
+           'docs/setup.md); test/node covers the same behaviour with the node as a process')
 
 from ament_index_python.packages import get_package_share_directory  # noqa: E402, I100
 from launch import LaunchDescription  # noqa: E402

@@ -1,87 +1,9 @@
-"""
-Fixtures of the session tests: a real Runtime (tiny model, CPU) and recording outputs.
-
-No ROS here: the session layer is driven directly, and each race is made certain by
-holding one output call (a chunk, an event, a goal start) on a threading.Event.
-"""
-
-import threading
-import time
+"""Fixtures of the session tests: active Sessions over real runtimes (tiny model, CPU)."""
 
 from flashrt_ros.runtime import Runtime, RuntimeConfig
-from flashrt_ros.session import Outputs, Session
+from flashrt_ros.session import Session
 import pytest
-
-HOME = 'home'
-SYSTEM_PROMPT = 'You are a helpful robot.'
-LONG_PROMPT = 'Describe the room.'  # runs to max_new_tokens from home (no early eos)
-SETTINGS = {
-    'goal_policy': 'reject', 'interrupt_policy': 'stop', 'home_capsule': HOME,
-    'interrupt_timeout': 5.0, 'max_new_tokens': 16, 'token_chunk': 1, 'stop_strings': [],
-    'stepping': 'observation', 'control_rate': 50.0,
-}
-
-
-class Gate:
-    """A place where an output call waits until the test opens it."""
-
-    def __init__(self):
-        self.reached = threading.Event()
-        self.opened = threading.Event()
-
-    def wait_here(self):
-        self.reached.set()
-        assert self.opened.wait(10.0), 'the test never opened the gate'
-
-
-class Recorder(Outputs):
-    """Outputs that record everything and can hold a call at a Gate."""
-
-    def __init__(self):
-        self.events, self.chunks, self.actions_out, self.logs = [], [], [], []
-        self.started = []
-        self.gates = {}  # 'chunk:<index>', 'final', 'start', 'event:<operation>' -> Gate
-
-    def hold(self, where):
-        gate = self.gates[where] = Gate()
-        return gate
-
-    def _gate(self, where):
-        gate = self.gates.get(where)
-        if gate is not None and not gate.opened.is_set():
-            gate.wait_here()
-
-    def event(self, operation, name, tier, size_bytes, latency_ms, success, message,
-              stamp=None):
-        self._gate(f'event:{operation}')
-        self.events.append({'operation': operation, 'name': name, 'tier': tier,
-                            'size_bytes': size_bytes, 'latency_ms': latency_ms,
-                            'success': success, 'message': message, 'stamp': stamp,
-                            'at': time.time()})
-
-    def chunk(self, turn, index, ids, text, stop_reason, final=False):
-        self.chunks.append({'turn': turn, 'index': index, 'ids': list(ids), 'text': text,
-                            'stop_reason': stop_reason, 'final': final, 'state': turn.state})
-        self._gate('final' if final else f'chunk:{index}')
-
-    def actions(self, step, rows, names):
-        self.actions_out.append((step, rows, list(names)))
-
-    def start_goal(self, turn):
-        self.started.append(turn)
-        self._gate('start')
-
-    def not_active_message(self):
-        return 'the session is not active'
-
-    def now(self):
-        return time.time()
-
-    def log(self, level, message, throttle_s=None):
-        self.logs.append((level, message))
-
-    def finals(self):
-        return [c for c in self.chunks if c['final']]
+from session_harness import HOME, Recorder, SETTINGS, SYSTEM_PROMPT
 
 
 @pytest.fixture
@@ -111,12 +33,3 @@ def make_session(tmp_path, settings):
         for gate in session._out.gates.values():
             gate.opened.set()
         session.close()
-
-
-def wait_until(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.005)
-    return False

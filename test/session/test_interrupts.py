@@ -3,9 +3,9 @@
 import threading
 import time
 
-from conftest import HOME, LONG_PROMPT, wait_until
 from flashrt_ros.session import InterruptMode, Turn, TurnRequest
 import pytest
+from session_harness import HOME, LONG_PROMPT, wait_until
 
 GOAL = object()
 

@@ -2,10 +2,10 @@
 
 import threading
 
-from conftest import LONG_PROMPT
 from flashrt_ros.runtime import BusyError
 from flashrt_ros.session import BUSY_MESSAGE, Turn, TurnRequest, TurnState
 import pytest
+from session_harness import LONG_PROMPT
 
 GOAL = object()  # a caller's handle: the scheduler only passes it to start_goal
 
