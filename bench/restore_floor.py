@@ -57,8 +57,8 @@ def main():
             rt.arena.epoch = next(epochs)
             rt.adapter.import_meta(meta['adapter'])
             rt.generator.set_state(meta['rng'])
-            rt.position, rt._pending = meta['position'], meta['pending']
-            rt._ring.append(cap)
+            rt.cursor.position, rt.cursor.pending = meta['position'], meta['pending']
+            rt.ring.append(cap)
             return cap.info(time.perf_counter() - t0)
 
     def copy():

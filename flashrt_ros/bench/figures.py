@@ -350,7 +350,7 @@ def fig4_decode(rt, plan, log):
         'steps': steps,
         'rounds': rounds,
         'prompt_tokens': len(ids),
-        'cuda_graph': rt.stats()['cuda_graph'],
+        'cuda_graph': rt.stats().cuda_graph,
         'tokens_per_s': {k: summarize(v) for k, v in runs.items()},
         'arena_over': over,
         'ratio_vs_dynamic_cache_loop': over['dynamic_cache_loop']['median'],

@@ -84,7 +84,7 @@ def restore_vs_copy(rt: Runtime, prefix_tokens: int, repeats: int = 30) -> dict:
     _, restores, copies = sample_interleaved_s(
         [rt.arena.begin_epoch, lambda: rt.restore('measure-restore'), lambda: dst.copy_(src)],
         repeats, rt.device)
-    if rt.stats()['last_restore_copied_bytes'] != info.nbytes:
+    if rt.stats().last_restore_copied_bytes != info.nbytes:
         raise RuntimeError('the timed restores did not copy the whole capsule')
     restore_s, restore_med = min(restores), statistics.median(restores)
     copy_s, copy_med = min(copies), statistics.median(copies)
@@ -193,7 +193,7 @@ def decode_vs_dynamic_cache(
         'arena_tokens_per_s': statistics.median(tps['arena']),
         'dynamic_cache_tokens_per_s': statistics.median(tps['dynamic']),
         'ratio': paired_ratio(tps['arena'], tps['dynamic']),
-        'cuda_graph': rt.stats()['cuda_graph'],
+        'cuda_graph': rt.stats().cuda_graph,
     }
 
 

@@ -4,8 +4,8 @@ import json
 import math
 
 from flashrt_ros.runtime import FlashRTError, InvalidRequestError
-from flashrt_ros.runtime.arena import StateSpec
 from flashrt_ros.runtime.models import ModulePolicyAdapter, PolicySpec, save_policy
+from flashrt_ros.runtime.state.arena import StateSpec
 import pytest
 import torch
 
