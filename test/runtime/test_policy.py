@@ -336,7 +336,7 @@ def test_an_observation_the_model_dtype_cannot_hold_is_refused(make_runtime):
 
 
 def test_measure_policy_returns_the_figures(tmp_path):
-    from flashrt_ros.runtime.measure_policy import measure_policy
+    from flashrt_ros.bench.measure_policy import measure_policy
 
     r = measure_policy(lengths=(4, 8), repeats=2, stepwise_max=4, capsule_dir=str(tmp_path))
     short, long = r['lengths']

@@ -1,7 +1,7 @@
 """
 Measure how low a full device restore can go behind a Python call (CPU, fig1 state).
 
-    . ./env.sh && python -P bench/restore_floor.py [--position 64] [--rounds 300]
+    python -m flashrt_ros.bench.restore_floor [--position 64] [--rounds 300]
 
 Runs fig1's device round (snapshot, raw copy, restores, lineage forgotten before the
 timed full restore, raw copy) and times, in the same rounds, each after a restore of the
@@ -22,7 +22,8 @@ import tempfile
 import time
 
 from flashrt_ros.runtime import Runtime, RuntimeConfig
-from flashrt_ros.runtime.measure import raw_copy, sample_interleaved_s, token_ids
+
+from .measure import raw_copy, sample_interleaved_s, token_ids
 
 
 def main():

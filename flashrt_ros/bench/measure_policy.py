@@ -1,8 +1,8 @@
 """
 Policy-mode latency figures (not a unit test): control step and restore vs the cold path.
 
-    python -m flashrt_ros.runtime.measure_policy [--model builtin:tiny-policy] [--device cpu]
-                                                 [--lengths 100 1000 10000]
+    python -m flashrt_ros.bench.measure_policy [--model builtin:tiny-policy] [--device cpu]
+                                               [--lengths 100 1000 10000]
 
 At each episode length L (observations already folded into the state):
   * control step : one Runtime.act() at step ~L, the committed boundary (rollback-ring
@@ -25,9 +25,9 @@ import time
 
 import torch
 
-from .config import RuntimeConfig
-from .measure import _sync, sample_s
-from .runtime import Runtime
+from flashrt_ros.runtime import Runtime, RuntimeConfig
+
+from .measure import sample_s, sync
 
 
 def _summary(times: list[float]) -> dict:
@@ -37,10 +37,10 @@ def _summary(times: list[float]) -> dict:
 
 
 def _timed(rt: Runtime, fn):
-    _sync(rt.device)
+    sync(rt.device)
     t0 = time.perf_counter()
     result = fn()
-    _sync(rt.device)
+    sync(rt.device)
     return result, time.perf_counter() - t0
 
 
