@@ -27,6 +27,7 @@ from .figures import (
     fig6_kv_only_prefix,
     Plan,
 )
+from .measure import BENCH_MODEL
 from .plots import plot_all
 from .report import to_markdown, to_text
 from .through_ros import fig5_through_ros
@@ -41,7 +42,7 @@ def parse_args(argv=None):
                                 description=__doc__.strip().split('\n')[0])
     p.add_argument('--quick', action='store_true',
                    help='small lengths, few repeats: a CI smoke run (< 3 min on 2 cores)')
-    p.add_argument('--model', default='builtin:bench-hybrid',
+    p.add_argument('--model', default=BENCH_MODEL,
                    help='built-in id or local checkpoint directory (default %(default)s)')
     p.add_argument('--device', default='cpu', help='cpu, cuda or cuda:N')
     p.add_argument('--dtype', default='float32', choices=DTYPES)

@@ -21,9 +21,11 @@ import argparse
 import statistics
 import time
 
+from flashrt_ros.runtime import Runtime, RuntimeConfig
 import torch
 
-from flashrt_ros.runtime import Runtime, RuntimeConfig
+
+BENCH_MODEL = 'builtin:bench-hybrid'  # the default model of every benchmark
 
 
 def sync(device: torch.device) -> None:
@@ -281,7 +283,7 @@ def prefill_layer_times(rt: Runtime, ids: list[int]) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--model', default='builtin:bench-hybrid')
+    p.add_argument('--model', default=BENCH_MODEL)
     p.add_argument('--device', default='cpu')
     p.add_argument('--dtype', default='float32')
     p.add_argument('--lengths', type=int, nargs='+', default=[2048, 8192])

@@ -23,9 +23,8 @@ import argparse
 import statistics
 import time
 
-import torch
-
 from flashrt_ros.runtime import Runtime, RuntimeConfig
+import torch
 
 from .measure import sample_s, sync
 
@@ -111,8 +110,8 @@ def measure_policy(model: str = 'builtin:tiny-policy', device: str = 'cpu',
         rt.warmup()
         g = torch.Generator().manual_seed(seed)
         history = torch.randn(max(lengths) + 1, rt.policy_spec.obs_dim, generator=g)
-        rt.act(history[:min(max(lengths), 2048)])  # the first long batched call pays ~0.5 s
-        rt.reset()  # of one-time setup on CPU; keep it out of the first length's figure
+        rt.act(history[:min(max(lengths), 2048)])  # the first long batched call pays a
+        rt.reset()  # one-time setup on CPU; keep it out of the first length's figure
         figures = [measure_length(rt, torch.cat([history[:n], history[-1:]]), repeats,
                                   stepwise=n <= stepwise_max)
                    for n in lengths]

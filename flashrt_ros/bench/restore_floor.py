@@ -23,7 +23,7 @@ import time
 
 from flashrt_ros.runtime import Runtime, RuntimeConfig
 
-from .measure import raw_copy, sample_interleaved_s, token_ids
+from .measure import BENCH_MODEL, raw_copy, sample_interleaved_s, token_ids
 
 
 def main():
@@ -31,7 +31,7 @@ def main():
     p.add_argument('--position', type=int, default=64,
                    help='tokens prefilled, at least 1 (fig1: 64)')
     p.add_argument('--rounds', type=int, default=300)
-    p.add_argument('--model', default='builtin:bench-hybrid')
+    p.add_argument('--model', default=BENCH_MODEL)
     args = p.parse_args()
     if args.position < 1:
         p.error('--position must be at least 1 (a full restore copies the used rows)')

@@ -44,6 +44,12 @@ class Engine:
             self.cuda_graphs = False
             self.graph_error = 'disabled: sliding-window layers branch on host state'
 
+    @staticmethod
+    def state_specs(vocab_size: int, max_seq_len: int) -> list[StateSpec]:
+        """Return the engine's own arena state: the last logits and the token history."""
+        return [StateSpec('logits', 'logits', (vocab_size,), torch.float32),
+                StateSpec('tokens', 'tokens', (max_seq_len,), torch.int32, seq_dim=0)]
+
     @torch.inference_mode()
     def prefill(self, ids: list[int], position: int) -> None:
         """Consume ids at `position` (chunked); leaves the next-token logits in the arena."""

@@ -145,7 +145,7 @@ class Generation:
         with rt._lock:
             if self.result is not None:
                 raise StopIteration
-            if rt._preempt is not None:  # a restore/rollback waits for this boundary
+            if rt._preemption is not None:  # a restore/rollback waits for this boundary
                 serve(rt, self, torn=False)
                 raise StopIteration
             try:
@@ -234,8 +234,8 @@ class Generation:
     def _release(self) -> None:
         """Free the runtime's writer slot, if this turn holds it."""
         rt = self._rt
-        if rt._active is self:
-            rt._active = None
+        if rt._turn is self:
+            rt._turn = None
             rt._interrupt.clear()
 
     def finish(self, reason: str, commit: bool = True) -> None:
@@ -262,6 +262,6 @@ class Generation:
             )
             if tps > 0:
                 rt._decode_tps = tps
-            if commit and self.started and rt._active is self and not rt._closed:
+            if commit and self.started and rt._turn is self and not rt._closed:
                 rt._commit()  # end of turn is a committed boundary
             self._release()

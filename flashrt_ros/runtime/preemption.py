@@ -3,8 +3,8 @@ Preemption: a restore or rollback that replaces the state of a running generatio
 
 Concurrency. One writer: every state access holds the step lock (Runtime._lock), which a
 generation takes for each of its steps. restore/rollback(..., preempt=True) checks its
-capsule first; then Runtime._preempt_with (one at a time, under Runtime._preempt_lock)
-arms a global forward pre-hook, sets Runtime._preempt and waits for the step lock. The generation
+capsule first; then preempt_with (one at a time, under Runtime._preemption_lock) arms a
+global forward pre-hook, sets Runtime._preemption and waits for the step lock. The generation
 thread meets the request at its next step boundary, or inside the forward at the next
 module call (the hook raises StepAborted there, on that thread only), ends its turn and
 runs it (serve); when no step runs, the caller runs it itself. An abandoned forward leaves
@@ -34,7 +34,7 @@ class Preemption:
     """
     A restore or rollback waiting to replace the state of a running generation.
 
-    Armed from the start (an LM runtime): once it is Runtime._preempt, the next module call
+    Armed from the start (an LM runtime): once it is Runtime._preemption, the next module call
     of the turn's abortable forward raises StepAborted. Module calls read the global hooks
     each time, so that holds at once, also while the turn is inside a forward. The hook
     sees every module call of the process, so it checks the thread; without a waiting
@@ -50,10 +50,34 @@ class Preemption:
         self.hook = None
         if not rt.is_policy:
             def check(module, args):
-                if rt._preempt is not None and rt._abortable == threading.get_ident():
+                if rt._preemption is not None and rt._abortable_thread == threading.get_ident():
                     raise StepAborted()
 
             self.hook = torch.nn.modules.module.register_module_forward_pre_hook(check)
+
+
+def preempt_with(rt, run) -> CapsuleInfo:
+    """
+    Run run(from_newest) with the step lock held, ending a running generation first.
+
+    run must check first that the runtime is still open (close() may run while this waits).
+    """
+    with rt._preemption_lock:
+        request = Preemption(rt, run)  # armed first: see Preemption
+        try:
+            rt._preemption = request
+            with rt._lock:
+                rt._preemption = None
+                if not request.done:  # no step was running: a boundary or idle
+                    gen = rt._turn
+                    return run(gen is not None and end_turn(gen, torn=False))
+        finally:
+            rt._preemption = None
+            if request.hook is not None:
+                request.hook.remove()
+    if request.error is not None:
+        raise request.error
+    return request.result
 
 
 def serve(rt, gen, torn: bool) -> None:
@@ -64,7 +88,7 @@ def serve(rt, gen, torn: bool) -> None:
     must be replaced; if the preemption fails anyway (it was checked before it was armed)
     the last committed boundary is put back instead.
     """
-    request = rt._preempt
+    request = rt._preemption
     from_newest = end_turn(gen, torn)
     try:
         request.result = request.run(from_newest)
@@ -73,7 +97,7 @@ def serve(rt, gen, torn: bool) -> None:
         if torn:
             recover_torn(rt)
     request.done = True
-    rt._preempt = None  # served: a turn started before the caller wakes must not see it
+    rt._preemption = None  # served: a turn started before the caller wakes must not see it
 
 
 def end_turn(gen, torn: bool) -> bool:
@@ -111,8 +135,8 @@ def guarded_forward(rt):
     except StepAborted:
         raise
     except BaseException as exc:
-        gen = rt._active
-        if gen is not None and rt._preempt is not None:
+        gen = rt._turn
+        if gen is not None and rt._preemption is not None:
             # A restore/rollback waits for this step: it replaces the state as it would
             # have replaced an abandoned one (rollback(1) lands on the prompt's end).
             serve(rt, gen, torn=True)
@@ -132,8 +156,8 @@ def guarded_forward(rt):
 @contextlib.contextmanager
 def abortable_forward(rt):
     """Let a waiting preemption abandon the forward run inside (StepAborted)."""
-    rt._abortable = threading.get_ident()
+    rt._abortable_thread = threading.get_ident()
     try:
         yield
     finally:
-        rt._abortable = 0
+        rt._abortable_thread = 0

@@ -1,5 +1,5 @@
 """
-Runtime: the facade the ROS node, the client and the benchmarks use (README: Python API).
+Runtime: the facade the ROS node, the client and the benchmarks use (the Python API).
 
 It holds the parts and the locks and nothing else: the model adapter and engine, the state
 arena and the codec that moves it into and out of capsules (state/), the capsule store,
@@ -40,9 +40,9 @@ from .generation import Generation, prefill_ids, prompt_ids, Sampling
 from .models.base import PolicyAdapter, PolicySpec, StateAdapter
 from .models.hf import load_adapter
 from .models.policy import is_policy_model, load_policy
-from .preemption import end_turn, guarded_forward, Preemption
-from .state.arena import dtype_from_name, StateArena, StateSpec
-from .state.capsule import Capsule, CapsuleInfo, validate_name, validate_tier
+from .preemption import guarded_forward, preempt_with, Preemption
+from .state.arena import dtype_from_name, StateArena
+from .state.capsule import boundary_name, Capsule, CapsuleInfo, validate_name, validate_tier
 from .state.codec import Cursor, StateCodec
 from .state.memory import BlobPool, move_blob
 from .state.ring import RollbackRing
@@ -92,11 +92,11 @@ class Runtime:
         self.dtype = dtype_from_name(config.dtype)
         self._lock = threading.RLock()  # the step lock
         self._interrupt = threading.Event()
-        self._active: Generation | None = None  # the turn holding the writer slot
+        self._turn: Generation | None = None  # the turn holding the writer slot
         self._closed = False
-        self._preempt: Preemption | None = None  # a restore/rollback waiting for that turn
-        self._preempt_lock = threading.Lock()  # one preemption at a time
-        self._abortable = 0  # ident of the thread whose forward may be abandoned now, or 0
+        self._preemption: Preemption | None = None  # a restore/rollback waiting for that turn
+        self._preemption_lock = threading.Lock()  # one preemption at a time
+        self._abortable_thread = 0  # ident of the thread whose forward may be abandoned now, or 0
 
         if adapter is None:
             load = load_policy if is_policy_model(config.model) else load_adapter
@@ -106,13 +106,9 @@ class Runtime:
         self.tokenizer = getattr(adapter, 'tokenizer', None)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
-        if self.is_policy:
-            specs = adapter.state_specs() + PolicyEngine.state_specs(adapter.spec)
-        else:
-            specs = adapter.state_specs() + [
-                StateSpec('logits', 'logits', (adapter.vocab_size,), torch.float32),
-                StateSpec('tokens', 'tokens', (config.max_seq_len,), torch.int32, seq_dim=0),
-            ]
+        specs = adapter.state_specs() + (
+            PolicyEngine.state_specs(adapter.spec) if self.is_policy
+            else Engine.state_specs(adapter.vocab_size, config.max_seq_len))
         self.arena = StateArena(specs, self.device, max_position=config.max_seq_len)
         # Capsule blobs on a CPU runtime reuse dropped ones' memory (no page faults).
         self._pool = BlobPool(2 * self.arena.nbytes) if self.device.type == 'cpu' else None
@@ -135,7 +131,7 @@ class Runtime:
         self._restore_times: collections.deque[float] = collections.deque(maxlen=1000)
         self._last_restore_s = 0.0
         self._decode_tps = 0.0
-        self._last_step_s = 0.0
+        self._control_step_s = 0.0
         self.reset()
 
     # ---- small properties -------------------------------------------------------------
@@ -147,7 +143,7 @@ class Runtime:
 
     @property
     def generating(self) -> bool:
-        return self._active is not None
+        return self._turn is not None
 
     @property
     def state_nbytes(self) -> int:
@@ -173,7 +169,7 @@ class Runtime:
 
     def _check_idle(self) -> None:
         self._check_open()
-        if self._active is not None:
+        if self._turn is not None:
             raise BusyError(BUSY_MESSAGE)
 
     def _require_mode(self, policy: bool) -> None:
@@ -188,28 +184,7 @@ class Runtime:
     def _commit(self) -> None:
         """Mark the live state as a committed boundary (push it on the rollback ring)."""
         if self.ring.depth > 0:
-            self.ring.push(self.codec.capture(f'@boundary-{self.cursor.position}', 'device'))
-
-    def _preempt_with(self, run) -> CapsuleInfo:
-        """Run run(from_newest) with the step lock held, ending a running generation first."""
-        with self._preempt_lock:
-            self._check_open()
-            request = Preemption(self, run)  # armed first: see Preemption
-            try:
-                self._preempt = request
-                with self._lock:
-                    self._preempt = None
-                    if not request.done:  # no step was running: a boundary or idle
-                        self._check_open()
-                        gen = self._active
-                        return run(gen is not None and end_turn(gen, torn=False))
-            finally:
-                self._preempt = None
-                if request.hook is not None:
-                    request.hook.remove()
-        if request.error is not None:
-            raise request.error
-        return request.result
+            self.ring.push(self.codec.capture(boundary_name(self.cursor.position), 'device'))
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -253,9 +228,9 @@ class Runtime:
     def close(self) -> None:
         """Free the model, arena and memory capsules (disk capsules stay)."""
         with self._lock:
-            if self._active is not None:
+            if self._turn is not None:
                 self._interrupt.set()
-                self._active.finish('interrupted')
+                self._turn.finish('interrupted')
             self._closed = True
             self.ring.drop_all()
             self.store.drop_memory_tiers()
@@ -282,17 +257,10 @@ class Runtime:
             self._commit()
             return self.cursor.position
 
-    def generate(
-        self,
-        prompt: str | Sequence[int] | None = None,
-        max_new_tokens: int = 64,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: Sequence[str] = ('\n\n',),
-        eos: bool = True,
-    ) -> Generation:
+    def generate(self, prompt: str | Sequence[int] | None = None, max_new_tokens: int = 64,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int | None = None, stop: Sequence[str] = ('\n\n',),
+                 eos: bool = True) -> Generation:
         """Start a streaming turn (iterate it for TokenEvents); claims the writer slot now."""
         sampling = Sampling.checked(max_new_tokens, temperature, top_k, top_p, seed, stop, eos)
         self._require_mode(policy=False)
@@ -305,7 +273,7 @@ class Runtime:
                 )
             gen = Generation(self, ids, sampling)
             self._interrupt.clear()
-            self._active = gen
+            self._turn = gen
             return gen
 
     def interrupt(self) -> None:
@@ -320,13 +288,13 @@ class Runtime:
         """
         if self.is_policy and not self._closed:
             self.drop_actions()
-        gen = self._active
+        gen = self._turn
         if gen is None:
             return
         self._interrupt.set()
         if self._lock.acquire(blocking=False):  # not inside a step
             try:
-                if self._active is gen:
+                if self._turn is gen:
                     gen.finish('interrupted')
             finally:
                 self._lock.release()
@@ -368,9 +336,9 @@ class Runtime:
                 raise
             cursor.position += len(observations)
             self._commit()
-            self._last_step_s = time.perf_counter() - t0
+            self._control_step_s = time.perf_counter() - t0
             return ActionChunk(cursor.position, actions, self.adapter.spec.joint_names,
-                               self._last_step_s)
+                               self._control_step_s)
 
     def check_observation(self, observation) -> torch.Tensor:
         """Return the observation as float32 [T, obs_dim], or raise InvalidRequestError."""
@@ -431,7 +399,7 @@ class Runtime:
             raise InvalidRequestError('preempt needs a full restore (mode kv_only would '
                                       'keep the recurrent state of the abandoned step)')
         self._check_open()
-        if not preempt and self._active is not None:  # (checked again under the lock)
+        if not preempt and self._turn is not None:  # (checked again under the lock)
             self.store.check_name(name)  # a bad name says so, busy or not
             raise BusyError(BUSY_MESSAGE)  # before any disk read or LRU clock
         # Fetched and checked outside the step lock: a bad name or capsule fails at once, and
@@ -443,7 +411,7 @@ class Runtime:
             self._check_open()  # close() ran meanwhile: say that, not what it took away
             raise
         if preempt:
-            return self._preempt_with(lambda _: self._restore_checked(cap, meta, mode, t0))
+            return preempt_with(self, lambda _: self._restore_checked(cap, meta, mode, t0))
         with self._lock:
             self._check_idle()
             return self._restore_checked(cap, meta, mode, t0)
@@ -493,8 +461,8 @@ class Runtime:
         t0 = time.perf_counter()
         if preempt:
             self._check_rollback(boundaries)  # the ring only grows until the lock is ours
-            return self._preempt_with(
-                lambda from_newest: self._rollback_locked(boundaries, t0, from_newest))
+            return preempt_with(
+                self, lambda from_newest: self._rollback_locked(boundaries, t0, from_newest))
         with self._lock:
             self._check_idle()
             return self._rollback_locked(boundaries, t0, from_newest=False)
@@ -529,7 +497,7 @@ class Runtime:
         dt = time.perf_counter() - t0
         # Reported as the boundary it is, whatever capsule the ring held for it.
         return target.info(dt, tier='device')._replace(
-            name=f'@boundary-{target.position}', pinned=False)
+            name=boundary_name(target.position), pinned=False)
 
     def list_capsules(self, tier: str | None = None,
                       unreadable: list[str] | None = None) -> list[CapsuleInfo]:
@@ -586,12 +554,12 @@ class Runtime:
             rollback_ring=RingStats(len(ring), ring.nbytes(), ring.depth, len(ring.retired),
                                     ring.retired_nbytes(self.store.memory_capsules())),
             last_restore_s=self._last_restore_s,
-            last_restore_copied_bytes=self.codec.copied,
+            last_restore_copied_bytes=self.codec.last_copied_bytes,
             blob_pool_idle_bytes=0 if self._pool is None else self._pool.idle_bytes,
             p99_restore_s=times[min(len(times) - 1, int(0.99 * len(times)))] if times else 0.0,
             decode_tokens_per_s=self._decode_tps,
             cuda_graph=bool(not closed and self.engine.graph is not None),
             cuda_graph_note=None if closed else self.engine.graph_error,
             cuda_graph_replays=0 if closed else self.engine.replays,
-            control_step_s=self._last_step_s if self.is_policy else None,
+            control_step_s=self._control_step_s if self.is_policy else None,
         )

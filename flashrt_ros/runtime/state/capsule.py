@@ -47,6 +47,11 @@ def validate_tier(tier: Any) -> str:
     return tier
 
 
+def boundary_name(position: int) -> str:
+    """Name of a committed boundary on the rollback ring (outside the capsule namespace)."""
+    return f'@boundary-{position}'
+
+
 def not_found(name: str) -> CapsuleNotFoundError:
     return CapsuleNotFoundError(f'capsule {name!r} not found; list_capsules() shows what exists')
 

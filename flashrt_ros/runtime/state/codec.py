@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from .arena import StateArena
-from .capsule import Capsule
+from .capsule import boundary_name, Capsule
 from .memory import host_blob
 from ..errors import CorruptCapsuleError, FingerprintMismatchError
 
@@ -66,7 +66,7 @@ class StateCodec:
         ).hexdigest()
         self.components = tuple(arena.kinds) + ('rng', 'meta')
         self.meta_trusted = adapter.meta_trusted  # see StateAdapter.meta_trusted
-        self.copied = 0  # bytes the last apply copied
+        self.last_copied_bytes = 0  # bytes the last apply copied
 
     def close(self) -> None:
         """Let go of the arena and the adapter (the runtime closes): any later use fails."""
@@ -185,7 +185,7 @@ class StateCodec:
         cursor = self.cursor
         if self._cuda and cap.tier != 'device':
             self.before_alloc()  # the host -> device transfer allocates
-        self.copied, blob = self.arena.unpack(
+        self.last_copied_bytes, blob = self.arena.unpack(
             cap.blob, cap.packing, max(cursor.position, cursor.extent), (cap.epoch, cap.position),
             kinds, cap.restore_cache)
         cursor.extent = 0
@@ -213,7 +213,7 @@ class StateCodec:
             return None
         if kinds is None and cap.tier == 'device':
             return cap
-        name = f'@boundary-{self.cursor.position}'
+        name = boundary_name(self.cursor.position)
         if kinds is None and blob.numel() == cap.packing.nbytes and (
                 cap.tier == 'host' or blob is not cap.blob):
             entry = cap.with_blob(name, 'device', blob)
