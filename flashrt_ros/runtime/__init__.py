@@ -13,7 +13,8 @@ from .errors import (
     InvalidRequestError,
 )
 from .generation import Generation, GenerationResult, TokenEvent
-from .runtime import ActionChunk, Runtime
+from .policy_mode import ActionChunk
+from .runtime import Runtime
 from .state.capsule import CapsuleInfo
 from .stats import RuntimeStats
 

@@ -14,16 +14,13 @@ claims the writer slot from generate() until it finishes, and state-changing cal
 meanwhile raise BusyError instead of waiting for an unbounded stream to end, unless they
 preempt it (restore/rollback with preempt=True: preemption.py).
 
-Policy mode (a robot policy model, models/policy.py): act(observation) replaces prefill and
-generate. position counts observations; the action chunk and its queue of not-yet-executed
-actions are arena state (kind "actions"), taken with next_action(); interrupt() drops the
-queue. Snapshot/restore/fork/rollback/kv_only are the same code for both modes.
+Policy mode (a robot policy model: policy_mode.py): act(observation) replaces prefill and
+generate; snapshot/restore/fork/rollback/kv_only are the same code for both modes.
 """
 
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
 import functools
 import hashlib
 import threading
@@ -40,7 +37,8 @@ from .generation import Generation, prefill_ids, prompt_ids, Sampling
 from .models.base import PolicyAdapter, PolicySpec, StateAdapter
 from .models.hf import load_adapter
 from .models.policy import is_policy_model, load_policy
-from .preemption import guarded_forward, preempt_with, Preemption
+from .policy_mode import ActionChunk, control_step
+from .preemption import preempt_with, Preemption
 from .state.arena import dtype_from_name, StateArena
 from .state.capsule import boundary_name, Capsule, CapsuleInfo, validate_name, validate_tier
 from .state.codec import Cursor, StateCodec
@@ -53,14 +51,6 @@ RESTORE_MODES = ('full', 'kv_only')
 KV_ONLY_SKIPS = frozenset({'conv', 'recurrent'})  # what a KV-only restore (the ablation) leaves
 BUSY_MESSAGE = ('a generation is running; interrupt() it (a step in flight ends first), or '
                 'restore/rollback with preempt=True')
-
-
-@dataclass(frozen=True, eq=False)
-class ActionChunk:
-    step: int  # observations consumed into the state (the committed boundary it ends at)
-    actions: torch.Tensor  # [horizon, action_dim] float32 on the host; a copy
-    names: tuple[str, ...]  # joint / axis name of each action dimension (may be empty)
-    latency_s: float  # wall time of the control step
 
 
 class Runtime:
@@ -319,26 +309,7 @@ class Runtime:
         t0 = time.perf_counter()
         with self._lock:
             self._check_idle()
-            cursor = self.cursor
-            if cursor.position + len(observations) > self.config.max_seq_len:
-                raise InvalidRequestError(
-                    f'episode is full: position {cursor.position} + {len(observations)} '
-                    f'observations > max_seq_len {self.config.max_seq_len}; reset() or '
-                    'restore a capsule first, or raise max_seq_len')
-            cursor.extent = max(cursor.extent, cursor.position + len(observations))
-            left = int(self.engine.left)  # next_action/drop_actions change it, uncommitted
-            try:
-                with guarded_forward(self):
-                    actions = self.engine.step(observations, cursor.position, self.generator)
-            except BaseException:
-                if self.ring.depth > 0:  # (else the state was reset)
-                    self.engine.left.fill_(left)  # the queue as it was before the call
-                raise
-            cursor.position += len(observations)
-            self._commit()
-            self._control_step_s = time.perf_counter() - t0
-            return ActionChunk(cursor.position, actions, self.adapter.spec.joint_names,
-                               self._control_step_s)
+            return control_step(self, observations, t0)
 
     def check_observation(self, observation) -> torch.Tensor:
         """Return the observation as float32 [T, obs_dim], or raise InvalidRequestError."""
