@@ -189,7 +189,7 @@ class StateCodec:
             cap.blob, cap.packing, max(cursor.position, cursor.extent), (cap.epoch, cap.position),
             kinds, cap.restore_cache)
         cursor.extent = 0
-        adapter_meta = meta['adapter']
+        adapter_meta = meta['adapter']  # (_adapter_meta inline: every restore runs this)
         self.adapter.import_meta(adapter_meta if self.meta_trusted
                                  else self._adapter_meta(adapter_meta))
         self.generator.set_state(meta['rng'])
@@ -199,7 +199,7 @@ class StateCodec:
     def restore(self, cap: Capsule, meta: dict, kinds: set[str] | None,
                 boundary: bool) -> Capsule | None:
         """
-        Apply a checked capsule; with `boundary`, return the ring entry of the state it left.
+        Apply a checked capsule; with `boundary`, return the ring entry of the state it lands on.
 
         The restored state is a committed boundary. A device capsule is immutable, so the
         ring can hold the capsule itself (no copy). After a full restore the device-side blob
