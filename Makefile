@@ -16,13 +16,15 @@ demo: setup
 demo-policy: setup
 	DEMO_MODULE=flashrt_ros.demo_policy bash scripts/run_demo.sh
 
-# Run from bench/results so the installed package (with the generated msg/srv modules that
-# fig5 needs) is imported, not the source folder. Extra options: make bench ARGS='--only fig2'
+# Run from build/bench-results so the installed package (with the generated msg/srv modules
+# that fig5 needs) is imported, not the source folder. Extra options: make bench ARGS='--only fig2'
+BENCH_OUT = build/bench-results
+
 bench: setup
-	. ./env.sh && cd bench/results && python -m flashrt_ros.bench --out . $(ARGS)
+	mkdir -p $(BENCH_OUT) && . ./env.sh && cd $(BENCH_OUT) && python -m flashrt_ros.bench --out . $(ARGS)
 
 bench-quick: setup
-	. ./env.sh && cd bench/results && python -m flashrt_ros.bench --quick --out . $(ARGS)
+	mkdir -p $(BENCH_OUT) && . ./env.sh && cd $(BENCH_OUT) && python -m flashrt_ros.bench --quick --out . $(ARGS)
 
 clean:
 	rm -rf build install log env.sh

@@ -15,6 +15,7 @@ import time
 import traceback
 import warnings
 
+from flashrt_ros.runtime.config import DTYPES
 import torch
 
 from .common import cpu_sample, cpu_usage, device_info, Log, machine_info, model_info
@@ -26,6 +27,7 @@ from .figures import (
     fig6_kv_only_prefix,
     Plan,
 )
+from .measure import BENCH_MODEL
 from .plots import plot_all
 from .report import to_markdown, to_text
 from .through_ros import fig5_through_ros
@@ -40,10 +42,10 @@ def parse_args(argv=None):
                                 description=__doc__.strip().split('\n')[0])
     p.add_argument('--quick', action='store_true',
                    help='small lengths, few repeats: a CI smoke run (< 3 min on 2 cores)')
-    p.add_argument('--model', default='builtin:bench-hybrid',
+    p.add_argument('--model', default=BENCH_MODEL,
                    help='built-in id or local checkpoint directory (default %(default)s)')
     p.add_argument('--device', default='cpu', help='cpu, cuda or cuda:N')
-    p.add_argument('--dtype', default='float32', choices=('float32', 'bfloat16', 'float16'))
+    p.add_argument('--dtype', default='float32', choices=DTYPES)
     p.add_argument('--lengths', type=int, nargs='+',
                    help=f'context lengths of fig2/fig6 (default {FULL_LENGTHS}, '
                         f'--quick {QUICK_LENGTHS}); fig1 uses 64 plus these')
@@ -58,7 +60,8 @@ def parse_args(argv=None):
                    help='torch threads of this process (default: what torch picks)')
     p.add_argument('--node-model', default='builtin:tiny-hybrid',
                    help='model of the node process in fig5 (default %(default)s)')
-    p.add_argument('--out', default='bench/results', help='directory of the JSON and tables')
+    p.add_argument('--out', default='build/bench-results',
+                   help='directory of the JSON and tables (default %(default)s)')
     p.add_argument('--plots', help='directory of the PNG plots (default: --out)')
     p.add_argument('--name', help='result name (default: quick, or the device type)')
     args = p.parse_args(argv)

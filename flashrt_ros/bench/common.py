@@ -165,14 +165,14 @@ def model_info(rt):
     keys = ('hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads',
             'num_key_value_heads', 'head_dim', 'vocab_size', 'layer_types')
     return {
-        'id': stats['model'],
-        'family': stats['family'],
-        'dtype': stats['dtype'],
+        'id': stats.model,
+        'family': stats.family,
+        'dtype': stats.dtype,
         'parameters': sum(p.numel() for p in model.parameters()),
         'state_arena_bytes': rt.state_nbytes,
         'max_seq_len': rt.config.max_seq_len,
         'components': rt.components,
-        'cuda_graph': stats['cuda_graph'],
-        'cuda_graph_note': stats['cuda_graph_note'],
+        'cuda_graph': stats.cuda_graph,
+        'cuda_graph_note': stats.cuda_graph_note,
         'config': {k: getattr(config, k) for k in keys if hasattr(config, k)},
     }

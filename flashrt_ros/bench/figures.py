@@ -9,7 +9,12 @@ import dataclasses
 import os
 
 from flashrt_ros.runtime import Runtime
-from flashrt_ros.runtime.measure import (
+from flashrt_ros.runtime.config import TIERS
+import numpy as np
+import torch
+
+from .common import PAPER, ratio, summarize
+from .measure import (
     arena_decode_tps,
     dynamic_cache_decode_tps,
     first_token_s,
@@ -21,12 +26,7 @@ from flashrt_ros.runtime.measure import (
     sample_interleaved_s,
     token_ids,
 )
-import numpy as np
-import torch
 
-from .common import PAPER, ratio, summarize
-
-TIERS = ('device', 'host', 'disk')
 PREFILL_GROWTH = 1.25  # predicted cold-prefill time grows as length ** this (a bit superlinear)
 ATTENTION_TYPES = ('full_attention', 'sliding_attention', 'attention')
 
@@ -350,7 +350,7 @@ def fig4_decode(rt, plan, log):
         'steps': steps,
         'rounds': rounds,
         'prompt_tokens': len(ids),
-        'cuda_graph': rt.stats()['cuda_graph'],
+        'cuda_graph': rt.stats().cuda_graph,
         'tokens_per_s': {k: summarize(v) for k, v in runs.items()},
         'arena_over': over,
         'ratio_vs_dynamic_cache_loop': over['dynamic_cache_loop']['median'],

@@ -109,7 +109,7 @@ TABLES = {'fig1': _fig1, 'fig2': _fig2, 'fig3': _fig3, 'fig4': _fig4, 'fig5': _f
 
 
 def targets(results):
-    """Return [figure, target, measured, holds] rows for the issue's performance targets."""
+    """Return [figure, target, measured, holds] rows for the performance targets."""
     figs, rows = results['figures'], []
     f = figs.get('fig1', {})
     if f.get('rows'):

@@ -1,6 +1,5 @@
 """Execution-state capsules over a static-buffer, graph-bound engine (no ROS)."""
 
-from .capsule import CapsuleInfo
 from .config import RuntimeConfig
 from .errors import (
     BudgetExceededError,
@@ -13,7 +12,11 @@ from .errors import (
     InvalidNameError,
     InvalidRequestError,
 )
-from .runtime import ActionChunk, Generation, GenerationResult, Runtime, TokenEvent
+from .generation import Generation, GenerationResult, TokenEvent
+from .policy_mode import ActionChunk
+from .runtime import Runtime
+from .state.capsule import CapsuleInfo
+from .stats import RuntimeStats
 
 __all__ = [
     'Runtime',
@@ -22,6 +25,7 @@ __all__ = [
     'GenerationResult',
     'TokenEvent',
     'ActionChunk',
+    'RuntimeStats',
     'Generation',
     'FlashRTError',
     'InvalidNameError',

@@ -12,6 +12,7 @@ from .errors import ConfigError
 
 DTYPES = ('float32', 'bfloat16', 'float16')
 EVICTION_POLICIES = ('refuse', 'lru')
+TIERS = ('device', 'host', 'disk')  # capsule tiers; each has a <tier>_budget_bytes field
 _DEVICE_RE = re.compile(r'^(cpu|cuda|cuda:\d+)$')
 
 
@@ -44,7 +45,8 @@ class RuntimeConfig:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} is not valid; use one of {', '.join(DTYPES)}")
         if self.eviction not in EVICTION_POLICIES:
-            raise ConfigError(f"eviction {self.eviction!r} is not valid; use 'refuse' or 'lru'")
+            raise ConfigError(f'eviction {self.eviction!r} is not valid; use one of '
+                              f"{', '.join(EVICTION_POLICIES)}")
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError('cuda_graphs must be true or false')
         if not isinstance(self.capsule_dir, str) or not self.capsule_dir:
@@ -52,8 +54,13 @@ class RuntimeConfig:
         _check_int('max_seq_len', self.max_seq_len, minimum=8)
         _check_int('rollback_depth', self.rollback_depth, minimum=0)
         _check_int('seed', self.seed, minimum=0)
-        for field in ('device_budget_bytes', 'host_budget_bytes', 'disk_budget_bytes'):
-            _check_int(field, getattr(self, field), minimum=0)
+        for tier in TIERS:
+            _check_int(f'{tier}_budget_bytes', getattr(self, f'{tier}_budget_bytes'), minimum=0)
+
+    @property
+    def budgets(self) -> dict[str, int]:
+        """Byte budget of each capsule tier (0 = unlimited)."""
+        return {tier: getattr(self, f'{tier}_budget_bytes') for tier in TIERS}
 
     @property
     def capsule_path(self) -> Path:

@@ -5,7 +5,8 @@ On CUDA the decode step is captured once in a CUDA graph: its inputs (the token 
 its state (the arena) and its output (the arena's logits view) all have fixed addresses,
 so one `replay()` runs a whole step with a single launch. Restores copy INTO the arena,
 never re-bind it, so the graph stays valid across snapshot/restore/rollback. On CPU the
-same step runs eagerly over the same buffers.
+same step runs eagerly over the same buffers (and a waiting preemption can abandon it at a
+module call: preemption.py).
 
 PolicyEngine is the robot-policy counterpart: observation(s) in, an action chunk out, and
 the chunk's queue of not-yet-executed actions kept in the arena. It runs eagerly.
@@ -13,18 +14,11 @@ the chunk's queue of not-yet-executed actions kept in the arena. It runs eagerly
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from .arena import StateSpec
 from .errors import FlashRTError, InvalidRequestError
 from .models.base import CausalLMAdapter, PolicyAdapter, PolicySpec
-
-
-class StepAborted(Exception):
-    """Raised inside the model when a running step is abandoned (the state is then torn)."""
-
+from .state.arena import StateSpec
 
 PREFILL_CHUNK = 2048  # tokens per prefill forward: bounds activation memory for long prompts
 WARMUP_STEPS = 3  # eager steps on a side stream before capture (lazy inits, allocator)
@@ -44,48 +38,17 @@ class Engine:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_error: str | None = None
         self.replays = 0  # decode steps run by replaying the graph (stats: cuda_graph_replays)
-        self._hook = None  # the armed abort hook (see abort_when)
-        self._abort_check = None
         if self.cuda_graphs and getattr(adapter, 'has_sliding_layers', False):
             # Sliding-window layers branch in Python on a host-side counter; a graph would
             # freeze one branch. Run them eagerly rather than risk a wrong step.
             self.cuda_graphs = False
             self.graph_error = 'disabled: sliding-window layers branch on host state'
 
-    def abort_when(self, should_abort: Callable[[], bool]) -> None:
-        """
-        Let armed eager forwards be abandoned at a module call once should_abort() is true.
-
-        While arm_abort() is in effect, a global forward pre-hook raises StepAborted before
-        the next module call for which should_abort() holds (it must check the thread: the
-        hook sees every module call of the process). Unarmed there is no hook at all, so a
-        decode step pays nothing for being abortable. A replayed CUDA graph runs no Python
-        and is never abandoned.
-        """
-        self._abort_check = should_abort
-
-    def arm_abort(self) -> None:
-        """
-        Register the abort check before every module call (a preemption is waiting).
-
-        Safe while another thread runs a forward: module calls read the global hooks each
-        time, so the check takes effect at the next call of any module, usually within tens
-        of microseconds.
-        """
-        if self._hook is None and self._abort_check is not None:
-            should_abort = self._abort_check
-
-            def check(module, args):
-                if should_abort():
-                    raise StepAborted()
-
-            self._hook = torch.nn.modules.module.register_module_forward_pre_hook(check)
-
-    def disarm_abort(self) -> None:
-        """Remove the abort hook again."""
-        hook, self._hook = self._hook, None
-        if hook is not None:
-            hook.remove()
+    @staticmethod
+    def state_specs(vocab_size: int, max_seq_len: int) -> list[StateSpec]:
+        """Return the engine's own arena state: the last logits and the token history."""
+        return [StateSpec('logits', 'logits', (vocab_size,), torch.float32),
+                StateSpec('tokens', 'tokens', (max_seq_len,), torch.int32, seq_dim=0)]
 
     @torch.inference_mode()
     def prefill(self, ids: list[int], position: int) -> None:
@@ -156,7 +119,6 @@ class Engine:
 
     def drop_graph(self) -> None:
         self.graph = None
-        self.disarm_abort()
 
     @torch.inference_mode()
     def sample(
@@ -269,9 +231,3 @@ class PolicyEngine:
 
     def drop_graph(self) -> None:
         pass
-
-    def arm_abort(self) -> None:
-        """Nothing to arm: a preemption waits for the act() in flight (one control step)."""
-
-    def disarm_abort(self) -> None:
-        """Nothing was armed."""

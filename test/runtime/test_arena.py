@@ -2,7 +2,7 @@
 
 import hashlib
 
-from flashrt_ros.runtime.arena import ALIGN, LINEAGE_LINKS, SLOT_ALIGN, StateArena, StateSpec
+from flashrt_ros.runtime.state.arena import ALIGN, LINEAGE_LINKS, SLOT_ALIGN, StateArena, StateSpec
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -107,7 +107,7 @@ def test_pack_unpack_restores_every_byte(position):
     _advance(arena, 0, 0, seed=2)  # a newer state changed the head...
     _advance(arena, position, 16, seed=3)  # ...and wrote the rows after the snapshot's
     assert _digest(arena) != snap_digest
-    arena.unpack(blob, packing, live_position=16)
+    arena.unpack(blob, packing, live_rows=16)
     assert _digest(arena) == snap_digest  # stale rows past the prefix were zeroed
 
 
@@ -116,9 +116,9 @@ def test_restore_skipping_shared_rows_copies_the_head_only():
     _advance(arena, 0, 5, seed=4)
     snap_digest = _digest(arena)
     blob, packing = arena.pack(5)
+    epoch = arena.epoch
     _advance(arena, 5, 9, seed=5)  # same lineage: rows 0..4 untouched
-    pair = arena.copy_pair(blob, packing, skip_rows=True)
-    copied = arena.unpack(blob, packing, live_position=9, pair=pair)
+    copied, _ = arena.unpack(blob, packing, live_rows=9, lineage=(epoch, 5))
     assert copied == arena.head_nbytes and _digest(arena) == snap_digest
 
 
@@ -130,7 +130,7 @@ def test_rolling_window_lives_in_the_head_and_is_copied_whole():
     arena.views['window'].fill_(2.0)
     blob, packing = arena.pack(1)
     arena.views['window'].zero_()
-    arena.unpack(blob, packing, live_position=1)
+    arena.unpack(blob, packing, live_rows=1)
     assert bool((arena.views['window'] == 2.0).all())
 
 
@@ -141,7 +141,7 @@ def test_unpack_subset_of_kinds_leaves_the_rest():
     kv_then = arena.views['L1.key'].clone()
     _advance(arena, 4, 9, seed=4)
     rec_now = arena.views['L0.recurrent0'].clone()
-    arena.unpack(blob, packing, live_position=9, kinds={'kv'})
+    arena.unpack(blob, packing, live_rows=9, kinds={'kv'})
     assert torch.equal(arena.views['L1.key'], kv_then)
     assert torch.equal(arena.views['L0.recurrent0'], rec_now)
 
@@ -164,7 +164,7 @@ def test_snapshot_and_restore_are_one_copy_whatever_the_layer_count():
         _advance(arena, 0, 5, seed=n)
         blob, packing = arena.pack(5)
         assert _copies(lambda: arena.pack(5)) == 1
-        assert _copies(lambda: arena.unpack(blob, packing, live_position=5)) == 1
+        assert _copies(lambda: arena.unpack(blob, packing, live_rows=5)) == 1
 
 
 def test_packed_blob_is_deterministic_and_restores_many_layers():
@@ -177,7 +177,7 @@ def test_packed_blob_is_deterministic_and_restores_many_layers():
     assert torch.equal(first, second)  # every blob byte is written: padding is copied too
     assert packing.nbytes == first.numel() < arena.nbytes
     _advance(arena, 7, 16, seed=6)
-    arena.unpack(first, packing, live_position=16)
+    arena.unpack(first, packing, live_rows=16)
     assert _digest(arena) == snap_digest
 
 
@@ -190,7 +190,7 @@ def test_unpack_of_kinds_between_others_leaves_neighbours():
     length_then = arena.views['L1.L1.length'].clone()
     _advance(arena, 4, 9, seed=8)
     conv_now = {n: arena.views[n].clone() for n in arena.views if n.endswith('conv0')}
-    arena.unpack(blob, packing, live_position=9, kinds={'position'})
+    arena.unpack(blob, packing, live_rows=9, kinds={'position'})
     assert torch.equal(arena.views['L1.L1.length'], length_then)
     for name, value in conv_now.items():
         assert torch.equal(arena.views[name], value)

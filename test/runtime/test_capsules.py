@@ -19,7 +19,9 @@ from flashrt_ros.runtime import (
     InvalidNameError,
     InvalidRequestError,
 )
-from flashrt_ros.runtime.capsule import _checksum, BlobPool, STALE_TEMP_S
+from flashrt_ros.runtime.state.disk import checksum, STALE_TEMP_S
+from flashrt_ros.runtime.state.memory import BlobPool
+from flashrt_ros.runtime.stats import TierStats
 import pytest
 from safetensors import safe_open
 from safetensors.torch import save
@@ -96,29 +98,29 @@ def test_boundaries_the_ring_drops_are_freed_by_the_next_capture_not_by_a_restor
     rt.snapshot('x')
     rt.prefill('and')
     rt.prefill('and')  # the ring: two boundaries captured by commits, held nowhere else
-    dropped = [weakref.ref(c) for c in rt._ring]
+    dropped = [weakref.ref(c) for c in rt.ring]
     rt.restore('x')
     rt.restore('x')  # each pushes 'x' itself and drops the oldest entry
     assert all(ref() is not None for ref in dropped)  # kept: a restore pays no teardown
-    retired = rt.stats()['rollback_ring']
-    assert retired['retired_count'] == 2
-    assert retired['retired_bytes'] == sum(ref().nbytes for ref in dropped)
+    retired = rt.stats().rollback_ring
+    assert retired.retired_count == 2
+    assert retired.retired_bytes == sum(ref().nbytes for ref in dropped)
     rt.snapshot('y')  # a capture frees them before it allocates
-    assert all(ref() is None for ref in dropped) and not rt._retired
-    assert rt.stats()['rollback_ring']['retired_bytes'] == 0
+    assert all(ref() is None for ref in dropped) and not rt.ring.retired
+    assert rt.stats().rollback_ring.retired_bytes == 0
     rt.prefill('and')
     rt.prefill('and')
-    dropped = [weakref.ref(c) for c in rt._ring]
+    dropped = [weakref.ref(c) for c in rt.ring]
     digest = rt.state_digest()
     rt.prefill('and')
-    dropped.append(weakref.ref(rt._ring[-1]))
+    dropped.append(weakref.ref(rt.ring[-1]))
     rt.rollback(1)  # the entry it pops is retired too
     assert rt.state_digest() == digest and dropped[-1]() is not None
     for _ in range(4):
         rt.restore('x')
-    assert len(rt._retired) == 2  # at most one ring's worth: the oldest went on the way
+    assert len(rt.ring.retired) == 2  # at most one ring's worth: the oldest went on the way
     assert all(ref() is None for ref in dropped)
-    assert rt.stats()['rollback_ring']['retired_bytes'] == 0  # 'x' is stored: nothing waits
+    assert rt.stats().rollback_ring.retired_bytes == 0  # 'x' is stored: nothing waits
 
 
 def test_deleting_the_restored_capsules_frees_what_the_ring_dropped(make_runtime):
@@ -127,16 +129,16 @@ def test_deleting_the_restored_capsules_frees_what_the_ring_dropped(make_runtime
         rt.prefill('and')
         rt.snapshot(name)
     rt.prefill('and')  # the ring: 3 boundaries captured by commits, held nowhere else
-    dropped = [weakref.ref(c) for c in rt._ring]
+    dropped = [weakref.ref(c) for c in rt.ring]
     for name in ('a', 'b', 'c'):
         rt.restore(name)  # the ring now holds the three stored capsules
     assert all(ref() is not None for ref in dropped)
     a_bytes = rt.store.get('a').nbytes
     rt.delete_capsule('a')  # the ring's 'a' becomes private: the retired entries go
     assert all(ref() is None for ref in dropped)
-    assert rt.stats()['rollback_ring']['retired_bytes'] == 0
+    assert rt.stats().rollback_ring.retired_bytes == 0
     rt.restore('b')  # pushes 'a' off the ring: held nowhere else now, it waits
-    assert rt.stats()['rollback_ring']['retired_bytes'] == a_bytes
+    assert rt.stats().rollback_ring.retired_bytes == a_bytes
 
 
 def test_memory_snapshots_work_when_the_capsule_dir_cannot_exist(make_runtime, tmp_path):
@@ -240,7 +242,7 @@ def _resign(path, edit):
     edit(header)
     header_json = json.dumps(header, sort_keys=True)
     path.write_bytes(save({'blob': blob}, metadata={
-        'flashrt': header_json, 'checksum': _checksum(blob, header_json)}))
+        'flashrt': header_json, 'checksum': checksum(blob, header_json)}))
 
 
 def _unknown_layer(header):
@@ -320,18 +322,18 @@ def test_budget_refuse_policy_and_exact_accounting(make_runtime):
     rt = make_runtime(device_budget_bytes=2 * size + size // 2, eviction='refuse')
     rt.prefill(PROMPT)
     a, b = rt.snapshot('a'), rt.snapshot('b')
-    assert rt.stats()['tiers']['device']['bytes_used'] == a.nbytes + b.nbytes
+    assert rt.stats().tiers['device'].bytes_used == a.nbytes + b.nbytes
     assert sum(c.nbytes for c in rt.list_capsules('device')) == a.nbytes + b.nbytes
     with pytest.raises(BudgetExceededError, match='full'):
         rt.snapshot('c')
     assert {c.name for c in rt.list_capsules()} == {'a', 'b'}
     rt.snapshot('a')  # overwriting frees the old copy first
     rt.delete_capsule('b')
-    assert rt.stats()['tiers']['device'] == {
-        'count': 1,
-        'bytes_used': a.nbytes,
-        'budget': 2 * size + size // 2,
-    }
+    assert rt.stats().tiers['device'] == TierStats(
+        count=1,
+        bytes_used=a.nbytes,
+        budget=2 * size + size // 2,
+    )
 
 
 def test_budget_lru_evicts_oldest_unpinned(make_runtime):
@@ -350,7 +352,7 @@ def test_budget_lru_evicts_oldest_unpinned(make_runtime):
     evicted = rt.drain_evictions()  # reported once, for telemetry
     assert [(i.name, i.tier, i.nbytes) for i in evicted] == [('young', 'device', size)]
     assert rt.drain_evictions() == []
-    assert rt.stats()['tiers']['device']['bytes_used'] == 3 * size
+    assert rt.stats().tiers['device'].bytes_used == 3 * size
     with pytest.raises(BudgetExceededError):
         make_runtime(device_budget_bytes=size // 2, eviction='lru').snapshot('too-big')
 
@@ -360,9 +362,9 @@ def test_disk_budget_counts_file_bytes(make_runtime):
     rt.prefill(PROMPT)
     info = rt.snapshot('d', tier='disk')
     path = _disk_file(rt, 'd')
-    assert info.nbytes == os.path.getsize(path) == rt.stats()['tiers']['disk']['bytes_used']
+    assert info.nbytes == os.path.getsize(path) == rt.stats().tiers['disk'].bytes_used
     rt.delete_capsule('d')
-    assert not path.exists() and rt.stats()['tiers']['disk']['bytes_used'] == 0
+    assert not path.exists() and rt.stats().tiers['disk'].bytes_used == 0
 
 
 def test_a_failed_disk_write_replaces_and_evicts_nothing(make_runtime):
@@ -485,7 +487,7 @@ def test_fresh_capsule_meta_equals_its_parsed_json(make_runtime, model):
     rt.snapshot('fresh', tier='host')
     cap = rt.store.get('fresh')
     primed = cap.restore_cache.pop('meta')
-    parsed = rt._check_capsule(cap)
+    parsed = rt.codec.check(cap)
     assert torch.equal(primed.pop('rng'), parsed.pop('rng'))
     assert primed == parsed and parsed['position'] == rt.position
 
@@ -533,11 +535,11 @@ def test_repeated_snapshots_reuse_blob_memory_and_stay_exact(make_runtime):
         ptrs.add(rt.store.get('again').blob.data_ptr())
     assert len(ptrs) == 2
     # the 4 dropped blobs came back to the pool; idle memory is bounded (2x the arena)
-    assert 0 < rt.stats()['blob_pool_idle_bytes'] <= 2 * rt.arena.nbytes
+    assert 0 < rt.stats().blob_pool_idle_bytes <= 2 * rt.arena.nbytes
     greedy(rt, 4)
     rt.restore('again')  # the rollback ring now holds this capsule: its memory stays put
     assert rt.state_digest() == digest
-    held = rt._ring[-1].blob.data_ptr()
+    held = rt.ring[-1].blob.data_ptr()
     rt.snapshot('again')
     assert rt.store.get('again').blob.data_ptr() != held
 

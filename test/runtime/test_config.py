@@ -60,7 +60,7 @@ def test_unknown_model_ids_fail_clearly(make_runtime, tmp_path):
 
 
 def test_too_old_transformers_is_a_clear_error():
-    from flashrt_ros.runtime.models.hf import check_transformers_version
+    from flashrt_ros.runtime.models.binding import check_transformers_version
 
     with pytest.raises(ConfigError, match=r'transformers 5\.17\.0 is too old.*>=5\.24,<6'):
         check_transformers_version('5.17.0')

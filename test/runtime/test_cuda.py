@@ -19,10 +19,10 @@ def test_graph_decode_matches_eager(make_runtime, model, max_seq_len):
     graphed = make_runtime(model, device='cuda', cuda_graphs=True, max_seq_len=max_seq_len)
     graphed.warmup()
     stats = graphed.stats()
-    assert stats['cuda_graph'], stats['cuda_graph_note']
+    assert stats.cuda_graph, stats.cuda_graph_note
     assert greedy(graphed, 16, prompt=prompt) == greedy(eager, 16, prompt=prompt)
-    assert graphed.stats()['cuda_graph_replays'] >= 15  # the graph ran those steps, not eager
-    assert eager.stats()['cuda_graph_replays'] == 0
+    assert graphed.stats().cuda_graph_replays >= 15  # the graph ran those steps, not eager
+    assert eager.stats().cuda_graph_replays == 0
 
 
 def test_failed_capture_runs_eager_on_the_stream_it_started_on(make_runtime, monkeypatch):
@@ -38,10 +38,10 @@ def test_failed_capture_runs_eager_on_the_stream_it_started_on(make_runtime, mon
     stream = torch.cuda.current_stream(rt.device)
     rt.warmup()
     stats = rt.stats()
-    assert not stats['cuda_graph'] and 'capture failed' in stats['cuda_graph_note']
+    assert not stats.cuda_graph and 'capture failed' in stats.cuda_graph_note
     assert torch.cuda.current_stream(rt.device) == stream
     rt.warmup()  # no second attempt
-    assert rt.stats()['cuda_graph_note'] == stats['cuda_graph_note']
+    assert rt.stats().cuda_graph_note == stats.cuda_graph_note
     monkeypatch.undo()
     assert greedy(rt, 12, prompt=PROMPT) == greedy(eager, 12, prompt=PROMPT)
 
@@ -56,7 +56,7 @@ def test_restore_exact_on_cuda(make_runtime, tier):
     first = greedy(rt, 12)
     rt.arena.begin_epoch()  # lineage forgotten: the whole capsule comes over, not its head
     rt.restore('c')
-    assert rt.stats()['last_restore_copied_bytes'] == rt.store.get('c').packing.nbytes
+    assert rt.stats().last_restore_copied_bytes == rt.store.get('c').packing.nbytes
     assert rt.state_digest() == digest
     assert greedy(rt, 12) == first
     blob = rt.store.get('c').blob
@@ -80,7 +80,7 @@ def test_graph_survives_restore_and_rollback(make_runtime):
     rt.arena.begin_epoch()  # lineage forgotten: a full copy into the graph's fixed addresses
     rt.restore('a')
     assert greedy(rt, 10) == first
-    assert rt.stats()['cuda_graph'] and rt.stats()['cuda_graph_replays'] >= 27
+    assert rt.stats().cuda_graph and rt.stats().cuda_graph_replays >= 27
 
 
 def test_same_lineage_host_restore_moves_only_the_head(make_runtime):
@@ -93,11 +93,11 @@ def test_same_lineage_host_restore_moves_only_the_head(make_runtime):
     first = greedy(rt, 8)
     rt.restore('h')
     assert rt.state_digest() == digest
-    assert rt.stats()['last_restore_copied_bytes'] == rt.arena.head_nbytes
+    assert rt.stats().last_restore_copied_bytes == rt.arena.head_nbytes
     assert greedy(rt, 8) == first
     rt.rollback(1)  # the ring entry of that restore is a capture, not the partial transfer
     assert rt.state_digest() == digest
     rt.arena.begin_epoch()  # lineage forgotten: the whole capsule comes over
     rt.restore('h')
     assert rt.state_digest() == digest
-    assert rt.stats()['last_restore_copied_bytes'] == rt.store.get('h').blob.numel()
+    assert rt.stats().last_restore_copied_bytes == rt.store.get('h').blob.numel()

@@ -239,12 +239,12 @@ def test_stats_report_tiers_and_restore_times(make_runtime):
     rt.snapshot('s')
     rt.restore('s')
     stats = rt.stats()
-    assert stats['state_nbytes'] == rt.state_nbytes > 0
-    assert stats['position'] == rt.position
-    assert set(stats['tiers']) == {'device', 'host', 'disk'}
-    assert stats['tiers']['device']['count'] == 1
-    assert stats['last_restore_s'] > 0 and stats['p99_restore_s'] >= stats['last_restore_s'] * 0
-    assert stats['rollback_ring']['count'] >= 2 and stats['rollback_ring']['bytes_used'] > 0
+    assert stats.state_nbytes == rt.state_nbytes > 0
+    assert stats.position == rt.position
+    assert set(stats.tiers) == {'device', 'host', 'disk'}
+    assert stats.tiers['device'].count == 1
+    assert stats.last_restore_s > 0 and stats.p99_restore_s >= stats.last_restore_s * 0
+    assert stats.rollback_ring.count >= 2 and stats.rollback_ring.bytes_used > 0
     assert set(rt.components) >= {'kv', 'conv', 'recurrent', 'rng', 'meta'}
 
 
@@ -291,7 +291,7 @@ def test_a_failing_step_serves_a_waiting_rollback_as_if_the_step_was_abandoned(m
     rt.prefill(PROMPT)
     gen = rt.generate(' and then', max_new_tokens=50, stop=(), eos=False)
     next(gen)
-    prompt_end = rt._ring[-1].position
+    prompt_end = rt.ring[-1].position
     next(gen)
     layer = rt.adapter.model.model.layers[1]
 
@@ -301,7 +301,7 @@ def test_a_failing_step_serves_a_waiting_rollback_as_if_the_step_was_abandoned(m
         handle.remove()
         entered.set()
         deadline = time.monotonic() + 10
-        while rt._preempt is None and time.monotonic() < deadline:
+        while rt._preemption is None and time.monotonic() < deadline:
             time.sleep(0.001)
         raise RuntimeError('simulated out of memory')
 

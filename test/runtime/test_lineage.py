@@ -9,8 +9,8 @@ after every operation.
 import random
 
 from conftest import greedy, PROMPT
-from flashrt_ros.runtime.arena import StateSpec
 from flashrt_ros.runtime.models import ModulePolicyAdapter, PolicySpec
+from flashrt_ros.runtime.state.arena import StateSpec
 import pytest
 import torch
 
@@ -28,11 +28,11 @@ def test_restore_of_fresh_checkpoint_copies_no_sequence_rows(make_runtime):
     tokens = greedy(rt, 12)
     rt.restore('ckpt')
     assert rt.state_digest() == digest
-    copied = rt.stats()['last_restore_copied_bytes']
+    copied = rt.stats().last_restore_copied_bytes
     assert copied == rt.arena.packing(0).nbytes < info.nbytes  # the head only, no row
     assert greedy(rt, 12) == tokens
     rt.restore('ckpt')  # again, after the same tokens were written once more
-    assert rt.state_digest() == digest and rt.stats()['last_restore_copied_bytes'] == copied
+    assert rt.state_digest() == digest and rt.stats().last_restore_copied_bytes == copied
 
 
 def test_sibling_branch_and_reset_copy_everything(make_runtime):
@@ -46,11 +46,11 @@ def test_sibling_branch_and_reset_copy_everything(make_runtime):
     greedy(rt, 6, prompt='another way on', temperature=1.0, seed=3)  # rows past root differ
     rt.restore('branch-b')  # shares only root's rows with the live state: copies everything
     assert rt.state_digest() == digest_b
-    assert rt.stats()['last_restore_copied_bytes'] == b.nbytes
+    assert rt.stats().last_restore_copied_bytes == b.nbytes
     rt.reset()
     rt.restore('branch-b')
     assert rt.state_digest() == digest_b
-    assert rt.stats()['last_restore_copied_bytes'] == b.nbytes
+    assert rt.stats().last_restore_copied_bytes == b.nbytes
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
@@ -89,14 +89,14 @@ def test_random_operations_match_a_runtime_that_always_copies_everything(
             if op == 'prefill':
                 rt.prefill(args[0])
             elif op == 'generate':
-                prompt = 'go' if rt.position == 0 and rt._pending is None else None
+                prompt = 'go' if rt.position == 0 and rt.cursor.pending is None else None
                 greedy(rt, args[0], prompt=prompt, temperature=args[1], seed=args[2])
             elif op == 'snapshot':
                 rt.snapshot(*args)
             elif op == 'restore':
                 rt.restore(args[0], mode=args[1])
             elif op == 'rollback':
-                if len(rt._ring) < 2:
+                if len(rt.ring) < 2:
                     break
                 rt.rollback(1)
             elif op == 'fork':
@@ -108,8 +108,8 @@ def test_random_operations_match_a_runtime_that_always_copies_everything(
             names.append(args[0])
         if op == 'fork' and args[0] != args[1] and args[1] not in names:
             names.append(args[1])
-        if op in ('restore', 'rollback') and (fast.stats()['last_restore_copied_bytes']
-                                              < slow.stats()['last_restore_copied_bytes']):
+        if op in ('restore', 'rollback') and (fast.stats().last_restore_copied_bytes
+                                              < slow.stats().last_restore_copied_bytes):
             skipped += 1
         assert fast.state_digest() == slow.state_digest(), f'step {step}: {op} {args}'
     assert skipped > 0  # the sequence exercised restores that skipped rows

@@ -4,8 +4,8 @@ import json
 import math
 
 from flashrt_ros.runtime import FlashRTError, InvalidRequestError
-from flashrt_ros.runtime.arena import StateSpec
 from flashrt_ros.runtime.models import ModulePolicyAdapter, PolicySpec, save_policy
+from flashrt_ros.runtime.state.arena import StateSpec
 import pytest
 import torch
 
@@ -336,7 +336,7 @@ def test_an_observation_the_model_dtype_cannot_hold_is_refused(make_runtime):
 
 
 def test_measure_policy_returns_the_figures(tmp_path):
-    from flashrt_ros.runtime.measure_policy import measure_policy
+    from flashrt_ros.bench.measure_policy import measure_policy
 
     r = measure_policy(lengths=(4, 8), repeats=2, stepwise_max=4, capsule_dir=str(tmp_path))
     short, long = r['lengths']

@@ -36,7 +36,7 @@ class _PreemptInsideStep:
         if self.thread is None:
             self.thread = threading.Thread(target=self._run)
             self.thread.start()
-            while self.rt._preempt is None and self.thread.is_alive():  # armed
+            while self.rt._preemption is None and self.thread.is_alive():  # armed
                 self.thread.join(0.001)
 
     def _count(self, module, args, output):
@@ -188,7 +188,7 @@ def test_preempting_rollback_of_an_unstarted_turn_undoes_nothing_before_it(make_
         with rt._lock:  # the preemption arms, then waits for the lock: the next step serves it
             thread = threading.Thread(target=lambda: out.append(rt.rollback(1, preempt=True)))
             thread.start()
-            while rt._preempt is None:
+            while rt._preemption is None:
                 thread.join(0.001)
             with pytest.raises(StopIteration):
                 next(gen)
@@ -269,9 +269,9 @@ def test_an_armed_preemption_never_aborts_another_runtime(make_runtime):
     preempt = threading.Thread(target=lambda: outcome.update(
         info=a.restore('home', preempt=True)))
     preempt.start()
-    while a._preempt is None and preempt.is_alive():
+    while a._preemption is None and preempt.is_alive():
         preempt.join(0.001)
-    assert a._preempt is not None  # armed, and A cannot serve it while held
+    assert a._preemption is not None  # armed, and A cannot serve it while held
     b_tokens = []
     b_thread = threading.Thread(target=lambda: b_tokens.extend(greedy(b, 8)))
     b_thread.start()

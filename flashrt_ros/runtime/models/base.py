@@ -8,7 +8,7 @@ The contract, in the order the runtime uses it:
                        its kind, shape, dtype and (for KV) the sequence axis. A tensor
                        with a sequence axis is append-only: a step at `position` writes
                        rows >= position only and rows past the live position stay zero
-                       (restores rely on both; see arena.py).
+                       (restores rely on both; see state/arena.py).
 2. `bind(views)`    – point the model's state at the arena views it was handed. After
                        this the adapter must never allocate or reassign state tensors.
 3. run steps        – language models: `forward(ids)`; policies: `act(observations)`.
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..arena import StateSpec
+from ..state.arena import StateSpec
 
 
 class StateAdapter(ABC):

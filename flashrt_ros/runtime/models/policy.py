@@ -9,7 +9,7 @@ observation step counter (the runtime's position), action queue and RNG.
 
 Built-in module: `SequencePolicy` = observation encoder (MLP) -> transformers hybrid
 backbone fed `inputs_embeds` (Qwen3-Next, LFM2, Mamba2, ...; its StaticCache is bound to the
-arena by models/hf.CacheBinding, exactly like a language model's) -> action head
+arena by models/binding.CacheBinding, exactly like a language model's) -> action head
 (`action_scale * tanh(.)`, optional Gaussian noise drawn from the runtime's RNG).
 
 Loading (`model` of the RuntimeConfig):
@@ -73,10 +73,10 @@ from typing import Any
 import torch
 
 from .base import PolicyAdapter, PolicySpec
+from .binding import BindingDelegate, CacheBinding, module_fingerprint, PROBE_TOKENS
 from .builtin import POLICY_BUILTINS, SEED
-from .hf import BindingDelegate, CacheBinding, module_fingerprint, PROBE_TOKENS
-from ..arena import StateSpec
 from ..errors import ConfigError, FlashRTError
+from ..state.arena import StateSpec
 
 CONFIG_FILES = ('policy.json', 'policy.yaml', 'policy.yml')
 WEIGHTS_FILE = 'model.safetensors'

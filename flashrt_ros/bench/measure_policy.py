@@ -1,8 +1,8 @@
 """
 Policy-mode latency figures (not a unit test): control step and restore vs the cold path.
 
-    python -m flashrt_ros.runtime.measure_policy [--model builtin:tiny-policy] [--device cpu]
-                                                 [--lengths 100 1000 10000]
+    python -m flashrt_ros.bench.measure_policy [--model builtin:tiny-policy] [--device cpu]
+                                               [--lengths 100 1000 10000]
 
 At each episode length L (observations already folded into the state):
   * control step : one Runtime.act() at step ~L, the committed boundary (rollback-ring
@@ -23,11 +23,10 @@ import argparse
 import statistics
 import time
 
+from flashrt_ros.runtime import Runtime, RuntimeConfig
 import torch
 
-from .config import RuntimeConfig
-from .measure import _sync, sample_s
-from .runtime import Runtime
+from .measure import sample_s, sync
 
 
 def _summary(times: list[float]) -> dict:
@@ -37,10 +36,10 @@ def _summary(times: list[float]) -> dict:
 
 
 def _timed(rt: Runtime, fn):
-    _sync(rt.device)
+    sync(rt.device)
     t0 = time.perf_counter()
     result = fn()
-    _sync(rt.device)
+    sync(rt.device)
     return result, time.perf_counter() - t0
 
 
@@ -111,8 +110,8 @@ def measure_policy(model: str = 'builtin:tiny-policy', device: str = 'cpu',
         rt.warmup()
         g = torch.Generator().manual_seed(seed)
         history = torch.randn(max(lengths) + 1, rt.policy_spec.obs_dim, generator=g)
-        rt.act(history[:min(max(lengths), 2048)])  # the first long batched call pays ~0.5 s
-        rt.reset()  # of one-time setup on CPU; keep it out of the first length's figure
+        rt.act(history[:min(max(lengths), 2048)])  # the first long batched call pays a
+        rt.reset()  # one-time setup on CPU; keep it out of the first length's figure
         figures = [measure_length(rt, torch.cat([history[:n], history[-1:]]), repeats,
                                   stepwise=n <= stepwise_max)
                    for n in lengths]

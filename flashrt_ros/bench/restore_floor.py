@@ -1,7 +1,7 @@
 """
 Measure how low a full device restore can go behind a Python call (CPU, fig1 state).
 
-    . ./env.sh && python -P bench/restore_floor.py [--position 64] [--rounds 300]
+    python -m flashrt_ros.bench.restore_floor [--position 64] [--rounds 300]
 
 Runs fig1's device round (snapshot, raw copy, restores, lineage forgotten before the
 timed full restore, raw copy) and times, in the same rounds, each after a restore of the
@@ -22,7 +22,8 @@ import tempfile
 import time
 
 from flashrt_ros.runtime import Runtime, RuntimeConfig
-from flashrt_ros.runtime.measure import raw_copy, sample_interleaved_s, token_ids
+
+from .measure import BENCH_MODEL, raw_copy, sample_interleaved_s, token_ids
 
 
 def main():
@@ -30,7 +31,7 @@ def main():
     p.add_argument('--position', type=int, default=64,
                    help='tokens prefilled, at least 1 (fig1: 64)')
     p.add_argument('--rounds', type=int, default=300)
-    p.add_argument('--model', default='builtin:bench-hybrid')
+    p.add_argument('--model', default=BENCH_MODEL)
     args = p.parse_args()
     if args.position < 1:
         p.error('--position must be at least 1 (a full restore copies the used rows)')
@@ -57,8 +58,8 @@ def main():
             rt.arena.epoch = next(epochs)
             rt.adapter.import_meta(meta['adapter'])
             rt.generator.set_state(meta['rng'])
-            rt.position, rt._pending = meta['position'], meta['pending']
-            rt._ring.append(cap)
+            rt.cursor.position, rt.cursor.pending = meta['position'], meta['pending']
+            rt.ring.append(cap)
             return cap.info(time.perf_counter() - t0)
 
     def copy():

@@ -356,38 +356,56 @@ class StateArena:
         self,
         blob: torch.Tensor,
         packing: Packing,
-        live_position: int,
-        kinds: set[str] | None = None,
-        pair: tuple[torch.Tensor, torch.Tensor] | None = None,
+        live_rows: int,
         lineage: tuple[int | None, int] = (None, 0),
-    ) -> int:
+        kinds: set[str] | None = None,
+        views: dict | None = None,
+    ) -> tuple[int, torch.Tensor]:
         """
-        Copy a snapshot blob back into the arena in place; return the bytes copied.
+        Copy a snapshot blob back into the arena in place; return (bytes copied, source).
 
-        kinds=None restores everything in one copy (`pair`, from copy_pair, may leave out
-        the rows the live state shares); a set restores only entries of those kinds (the
-        KV-only ablation), tensor by tensor. Rows a newer state wrote past the snapshot's
-        (up to live_position) are zeroed in every row-block tensor, of a restored kind or
-        not, which re-establishes the zero-tail invariant.
-        lineage: (epoch, position) of the capsule, the parent of the epoch this begins.
+        lineage: (epoch, position) of the snapshot, the parent of the epoch this begins.
+        kinds=None restores everything in one copy, without the sequence rows the live state
+        shares with the snapshot (rows_shared). A blob on another device is transferred
+        first, its head only when the rows are left out; the source returned is then that
+        transfer, else the blob. `views`, a dict kept with an immutable blob, holds the
+        copy's views for the next restore of it. A set of kinds restores only entries of
+        those kinds (the KV-only ablation), tensor by tensor. Rows a newer state wrote past
+        the snapshot's (up to live_rows) are zeroed in every row-block tensor, of a
+        restored kind or not, which re-establishes the zero-tail invariant.
         """
-        stale = min(max(live_position, packing.rows), self.rows)
+        stale = min(max(live_rows, packing.rows), self.rows)
         if kinds is None:
-            dst, src = pair if pair is not None else self.copy_pair(blob, packing)
+            skip = self.rows_shared(lineage[0]) >= packing.rows
+            key = 'head' if skip else 'prefix'
+            pair = None if views is None else views.get(key)
+            if pair is None:
+                if blob.device != self.device:  # e.g. a pinned host -> device DMA
+                    blob = (blob[:self.head_nbytes] if skip else blob).to(
+                        self.device, non_blocking=True)
+                    pair = self.copy_pair(blob, packing, skip)
+                else:
+                    pair = self.copy_pair(blob, packing, skip)
+                    if views is not None:
+                        views[key] = pair
+            dst, src = pair
             dst.copy_(src)
             if stale > packing.rows:
                 self.storage[packing.nbytes:self.prefix_nbytes(stale)].zero_()
             self.begin_epoch(*lineage)
-            return src.nbytes
+            return src.nbytes, blob
         if not self.seq_kinds <= kinds:
             lineage = (None, 0)  # some sequence rows stay the live state's, not the capsule's
+        if blob.device != self.device:
+            blob = blob.to(self.device, non_blocking=True)
+        src = blob
         if blob.storage_offset() % SLOT_ALIGN:
-            blob = blob.clone()  # typed views need aligned elements (a mapped disk blob)
+            src = blob.clone()  # typed views need aligned elements (a mapped disk blob)
         copied = 0
         for e in self.manifest:
             rows = None if e.strides is None else packing.rows
             if e.kind in kinds:
-                self.view(e, rows=rows).copy_(self.view(e, blob, rows))
+                self.view(e, rows=rows).copy_(self.view(e, src, rows))
                 copied += e.nbytes if rows is None else e.nbytes // self.rows * rows
             # Rows past the position are zero in every tensor that cannot roll, of a restored
             # kind or not (one longer than the row block lives in the head).
@@ -395,4 +413,4 @@ class StateArena:
                     stale > packing.rows):
                 self.view(e).narrow(e.seq_dim, packing.rows, stale - packing.rows).zero_()
         self.begin_epoch(*lineage)
-        return copied
+        return copied, blob

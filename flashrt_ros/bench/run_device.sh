@@ -4,7 +4,7 @@
 # CUDA-graph and GPU-tier tests included, then the benchmark figures that need no ROS
 # (fig1-4, fig6), all inside a time budget.
 #
-#   bash bench/run_device.sh [OUT_DIR]        # default OUT_DIR: bench/results
+#   bash flashrt_ros/bench/run_device.sh [OUT_DIR]   # default OUT_DIR: build/bench-results
 #
 # Environment knobs:
 #   PYTHON                 the interpreter that has a CUDA torch (default python3)
@@ -20,8 +20,8 @@
 #                          plot_all; plot_all(json.load(open('gpu.json')), 'docs/img', 'gpu')"
 set -uo pipefail
 
-root=$(cd "$(dirname "$0")/.." && pwd)
-out=$(mkdir -p "${1:-$root/bench/results}" && cd "${1:-$root/bench/results}" && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
+out=$(mkdir -p "${1:-$root/build/bench-results}" && cd "${1:-$root/build/bench-results}" && pwd)
 py=${PYTHON:-python3}
 device=${FLASHRT_DEVICE:-cuda}
 dtype=$([ "$device" = cpu ] && echo float32 || echo bfloat16)

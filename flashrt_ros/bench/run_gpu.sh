@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Set up and run the benchmark suite on an NVIDIA GPU, all inside 10 minutes.
 #
-#   bash bench/run_gpu.sh          # from anywhere; needs nvidia-smi and network for set-up
+#   bash flashrt_ros/bench/run_gpu.sh   # from anywhere; needs nvidia-smi and network for set-up
 #
-# Writes bench/results/gpu.json, gpu.md and gpu-fig1..6.png, plus gpu-env.txt (nvidia-smi
-# and torch facts). Environment knobs:
+# Writes build/bench-results/gpu.json, gpu.md and gpu-fig1..6.png, plus gpu-env.txt
+# (nvidia-smi and torch facts). Environment knobs:
 #   FLASHRT_GPU_DTYPE   model dtype (default bfloat16)
 #   FLASHRT_GPU_ARGS    extra options for python -m flashrt_ros.bench (e.g. "--only fig1,fig2")
 #   FLASHRT_FLA=1       also install flash-linear-attention (Triton kernels for the linear-
@@ -15,10 +15,10 @@
 #   FLASHRT_GPU_BUDGET_S  seconds for the whole script (default 570: under 10 minutes)
 set -euo pipefail
 
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 budget=${FLASHRT_GPU_BUDGET_S:-570}
-results="$root/bench/results"
+results="$root/build/bench-results"
 mkdir -p "$results"
 log() { printf '[run_gpu %4ds] %s\n' "$SECONDS" "$*"; }
 
@@ -55,7 +55,7 @@ fi
     torch.version.cuda, torch.cuda.get_device_name(0), "transformers", transformers.__version__)'
 } > "$results/gpu-env.txt" 2>&1 || true
 
-# 4. The suite, from bench/results so the installed package (with its generated ROS
+# 4. The suite, from build/bench-results so the installed package (with its generated ROS
 #    interfaces) is imported. 16k tokens is in; any length whose cold prefills would not fit
 #    --budget-s is skipped and the JSON says why.
 left=$(( budget - SECONDS ))

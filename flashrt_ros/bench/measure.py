@@ -1,8 +1,8 @@
 """
-Side-by-side measurements for the issue's performance claims (not a unit test).
+Side-by-side measurements of the performance claims (docs/benchmarks.md); not a unit test.
 
-    python -m flashrt_ros.runtime.measure [--model builtin:bench-hybrid] [--device cpu]
-                                          [--lengths 2048 8192] [--dtype float32]
+    python -m flashrt_ros.bench.measure [--model builtin:bench-hybrid] [--device cpu]
+                                        [--lengths 2048 8192] [--dtype float32]
 
 1. restore vs raw copy : a full restore of a device capsule against `dst.copy_(src)` of
                          the same number of bytes on the same device, same run (best of
@@ -12,7 +12,7 @@ Side-by-side measurements for the issue's performance claims (not a unit test).
                          DynamicCache.
 3. time to first token : restore a capsule of an L-token prefix + feed one new token +
                          sample, against a cold prefill of the same L+1 tokens + sample.
-Each function returns a dict so a benchmark module can reuse it.
+Each function returns a dict so the figures (figures.py) can reuse it.
 """
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ import argparse
 import statistics
 import time
 
+from flashrt_ros.runtime import Runtime, RuntimeConfig
 import torch
 
-from .config import RuntimeConfig
-from .runtime import Runtime
+
+BENCH_MODEL = 'builtin:bench-hybrid'  # the default model of every benchmark
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == 'cuda':
         torch.cuda.synchronize(device)
 
@@ -36,10 +37,10 @@ def sample_s(fn, repeats: int, device: torch.device) -> list[float]:
     """Wall seconds of each of `repeats` calls of fn(), synchronized with the device."""
     times = []
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
     return times
 
@@ -63,10 +64,6 @@ def token_ids(n: int, seed: int = 0) -> list[int]:
     return torch.randint(0, 256, (n,), generator=g).tolist()
 
 
-def _ids(rt: Runtime, n: int, seed: int = 0) -> list[int]:
-    return token_ids(n, seed)
-
-
 def restore_vs_copy(rt: Runtime, prefix_tokens: int, repeats: int = 30) -> dict:
     """
     Full-restore time of a device capsule vs a raw copy_ of as many bytes (best, median).
@@ -75,7 +72,7 @@ def restore_vs_copy(rt: Runtime, prefix_tokens: int, repeats: int = 30) -> dict:
     a restore into the capsule's own lineage would copy its head only.
     """
     rt.reset()
-    rt.prefill(_ids(rt, prefix_tokens))
+    rt.prefill(token_ids(prefix_tokens))
     info = rt.snapshot('measure-restore', tier='device')
     rt.restore('measure-restore')  # warm
     src = torch.empty(info.nbytes, dtype=torch.uint8, device=rt.device).random_(0, 255)
@@ -84,7 +81,7 @@ def restore_vs_copy(rt: Runtime, prefix_tokens: int, repeats: int = 30) -> dict:
     _, restores, copies = sample_interleaved_s(
         [rt.arena.begin_epoch, lambda: rt.restore('measure-restore'), lambda: dst.copy_(src)],
         repeats, rt.device)
-    if rt.stats()['last_restore_copied_bytes'] != info.nbytes:
+    if rt.stats().last_restore_copied_bytes != info.nbytes:
         raise RuntimeError('the timed restores did not copy the whole capsule')
     restore_s, restore_med = min(restores), statistics.median(restores)
     copy_s, copy_med = min(copies), statistics.median(copies)
@@ -121,13 +118,13 @@ def dynamic_cache_decode_tps(model, ids: list[int], steps: int, device: torch.de
         tok = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1).logits[
             :, -1
         ].argmax(-1, keepdim=True)  # [1, 1]
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         for _ in range(steps):
             out = model(input_ids=tok, cache=cache, use_cache=True, logits_to_keep=1)
             tok = out.logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
             int(tok)  # the runtime also brings every token to the host (streaming)
-        _sync(device)
+        sync(device)
         return steps / (time.perf_counter() - t0)
 
 
@@ -181,7 +178,7 @@ def decode_vs_dynamic_cache(
     rt: Runtime, prompt_tokens: int = 64, steps: int = 32, rounds: int = 8
 ) -> dict:
     """Greedy decode tokens/s: arena engine vs the same model with a DynamicCache, paired."""
-    ids, model = _ids(rt, prompt_tokens, seed=1), rt.adapter.model
+    ids, model = token_ids(prompt_tokens, seed=1), rt.adapter.model
     rt.reset()
     rt.warmup()
     tps = paired_decode_rounds({
@@ -193,23 +190,23 @@ def decode_vs_dynamic_cache(
         'arena_tokens_per_s': statistics.median(tps['arena']),
         'dynamic_cache_tokens_per_s': statistics.median(tps['dynamic']),
         'ratio': paired_ratio(tps['arena'], tps['dynamic']),
-        'cuda_graph': rt.stats()['cuda_graph'],
+        'cuda_graph': rt.stats().cuda_graph,
     }
 
 
 def first_token_s(rt: Runtime, prompt: list[int]) -> tuple[float, int]:
     """Seconds to consume `prompt` and sample one greedy token; returns (seconds, token)."""
-    _sync(rt.device)
+    sync(rt.device)
     t0 = time.perf_counter()
     gen = rt.generate(prompt=prompt, max_new_tokens=1, stop=(), eos=False)
     token = next(gen).token_id
-    _sync(rt.device)
+    sync(rt.device)
     return time.perf_counter() - t0, token
 
 
 def restored_first_token_s(rt: Runtime, name: str, new: list[int]) -> tuple[float, int]:
     """Seconds to restore capsule `name`, consume `new` and sample; returns (seconds, token)."""
-    _sync(rt.device)
+    sync(rt.device)
     t0 = time.perf_counter()
     rt.restore(name)
     _, token = first_token_s(rt, new)
@@ -218,7 +215,7 @@ def restored_first_token_s(rt: Runtime, name: str, new: list[int]) -> tuple[floa
 
 def ttft_restore_vs_prefill(rt: Runtime, prefix_tokens: int) -> dict:
     """Time restore(L-token prefix) + 1 new token + sample vs cold prefill of L+1 + sample."""
-    prefix, new = _ids(rt, prefix_tokens, seed=2), _ids(rt, 1, seed=3)
+    prefix, new = token_ids(prefix_tokens, seed=2), token_ids(1, seed=3)
     rt.reset()
     rt.prefill(prefix)
     rt.snapshot('measure-ttft', tier='device')
@@ -261,13 +258,13 @@ def prefill_layer_times(rt: Runtime, ids: list[int]) -> dict:
 
     def before(i):
         def hook(module, args):
-            _sync(rt.device)
+            sync(rt.device)
             started[i] = time.perf_counter()
         return hook
 
     def after(i):
         def hook(module, args, output):
-            _sync(rt.device)
+            sync(rt.device)
             spent[i] += time.perf_counter() - started[i]
         return hook
 
@@ -286,7 +283,7 @@ def prefill_layer_times(rt: Runtime, ids: list[int]) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--model', default='builtin:bench-hybrid')
+    p.add_argument('--model', default=BENCH_MODEL)
     p.add_argument('--device', default='cpu')
     p.add_argument('--dtype', default='float32')
     p.add_argument('--lengths', type=int, nargs='+', default=[2048, 8192])

@@ -1,0 +1,267 @@
+"""
+Generation: one streaming turn of a language model, a token per step.
+
+A turn feeds its prompt (or continues from the pending token), then each step feeds the
+token sampled last, samples the next and hands out the text it adds, decoded a short window
+at a time. It ends on max_new_tokens, an end-of-sequence token, a stop string, max_seq_len
+or an interrupt; its end, like the end of its prompt, is a committed boundary. A
+restore/rollback may end it in the middle of a step (preemption.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import sys
+import time
+from typing import Iterator, Sequence
+
+import torch
+
+from .errors import FlashRTError, InvalidRequestError
+from .preemption import abortable_forward, guarded_forward, serve, StepAborted
+
+STOP_REASONS = ('max_tokens', 'eos', 'stop_string', 'interrupted', 'max_seq_len', 'error')
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    index: int
+    token_id: int
+    text: str  # decoded piece (may be "" while a multi-byte character is incomplete)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    stop_reason: str  # one of STOP_REASONS
+    ttft_s: float
+    tokens_per_s: float
+    prompt_tokens: int
+
+
+@dataclass
+class Sampling:
+    """A turn's limits and sampling parameters (see Runtime.generate)."""
+
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    eos: bool
+
+    @classmethod
+    def checked(cls, max_new_tokens, temperature, top_k, top_p, seed, stop, eos) -> 'Sampling':
+        """Return the parameters normalized, or raise InvalidRequestError."""
+        if isinstance(stop, str):
+            stop = (stop,)
+        if (
+            isinstance(max_new_tokens, bool)
+            or not isinstance(max_new_tokens, int)
+            or max_new_tokens < 0
+        ):
+            raise InvalidRequestError('max_new_tokens must be an integer >= 0')
+        if not temperature >= 0.0 or not 0.0 < top_p <= 1.0 or top_k < 0:
+            raise InvalidRequestError('need temperature >= 0, 0 < top_p <= 1 and top_k >= 0')
+        return cls(max_new_tokens, float(temperature), int(top_k), float(top_p), seed,
+                   tuple(s for s in stop if s), bool(eos))
+
+
+def prompt_ids(tokenizer, vocab_size: int, prompt: str | Sequence[int]) -> list[int]:
+    """Return the prompt's token ids, or raise InvalidRequestError."""
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    else:
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError('prompt must be text or a sequence of token ids') from exc
+    if not ids:
+        raise InvalidRequestError('prompt is empty; pass text or at least one token id')
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f'token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})'
+        )
+    return ids
+
+
+def prefill_ids(rt, ids: list[int]) -> None:
+    """Consume ids (after the pending token, if any) into the state (lock held)."""
+    cursor = rt.cursor
+    if cursor.pending is not None:
+        ids = [cursor.pending] + ids  # the token sampled last turn has not been consumed yet
+    if cursor.position + len(ids) > rt.config.max_seq_len:
+        raise InvalidRequestError(
+            f'prompt of {len(ids)} tokens does not fit: position {cursor.position}, '
+            f'max_seq_len {rt.config.max_seq_len}; reset() or raise max_seq_len'
+        )
+    cursor.extent = max(cursor.extent, cursor.position + len(ids))
+    with guarded_forward(rt):
+        rt.engine.prefill(ids, cursor.position)
+    tokens = rt.arena.views['tokens']
+    tokens[cursor.position:cursor.position + len(ids)].copy_(
+        torch.tensor(ids, dtype=torch.int32)
+    )
+    cursor.position += len(ids)
+    cursor.pending = None
+
+
+def _feed(rt, token: int) -> None:
+    cursor = rt.cursor
+    cursor.extent = max(cursor.extent, cursor.position + 1)
+    with guarded_forward(rt):
+        rt.engine.decode(token, cursor.position)
+    rt.arena.views['tokens'][cursor.position] = token
+    cursor.position += 1
+
+
+class Generation:
+    """Streaming iterator over TokenEvents; `.result` is set when it finishes (else None)."""
+
+    def __init__(self, runtime, prompt_ids: list[int] | None, sampling: Sampling):
+        self._rt = runtime
+        self.prompt_ids = prompt_ids
+        self.sampling = sampling
+        self.result: GenerationResult | None = None
+        self.token_ids: list[int] = []
+        self.started = False
+        self.t_start = 0.0
+        self.t_first = 0.0
+        # Incremental detokenization: the text of token_ids[prefix:] minus that of
+        # token_ids[prefix:read] is what the newest tokens add (decoding a short window per
+        # step, not the whole turn; the window's first tokens give merges their context).
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.tail = ''  # the end of the text handed out so far, for stop strings
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        return self
+
+    def __next__(self) -> TokenEvent:
+        rt = self._rt
+        with rt._lock:
+            if self.result is not None:
+                raise StopIteration
+            if rt._preemption is not None:  # a restore/rollback waits for this boundary
+                serve(rt, self, torn=False)
+                raise StopIteration
+            try:
+                return self._step()
+            except StepAborted:
+                serve(rt, self, torn=True)
+                raise StopIteration from None
+
+    def close(self) -> None:
+        """Stop early (if still running); the state stays at the last step boundary, committed."""
+        if self.result is None:
+            self.finish('interrupted')
+
+    def __del__(self):
+        if sys.is_finalizing():  # interpreter exit: torch and the blob pool may be half gone
+            return
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _step(self) -> TokenEvent:
+        """One step (lock held): the prompt first, then a token per call."""
+        rt, s, cursor = self._rt, self.sampling, self._rt.cursor
+        if not self.started:
+            self.started, self.t_start = True, time.perf_counter()
+            if self.prompt_ids is not None:
+                try:
+                    with abortable_forward(rt):
+                        prefill_ids(rt, self.prompt_ids)
+                except FlashRTError:
+                    self._release()
+                    raise
+            # Seeded after the prompt, which samples nothing: a refused one changes nothing.
+            if s.seed is not None:
+                rt.generator.manual_seed(s.seed)
+            if self.prompt_ids is not None:
+                rt._commit()  # end of prefill is a committed boundary
+        if rt._interrupt.is_set():
+            self.finish('interrupted')
+        elif len(self.token_ids) >= s.max_new_tokens:
+            self.finish('max_tokens')
+        elif cursor.pending is not None and cursor.position >= rt.config.max_seq_len:
+            self.finish('max_seq_len')
+        if self.result is not None:
+            raise StopIteration
+        if cursor.pending is not None:
+            with abortable_forward(rt):
+                _feed(rt, cursor.pending)
+            cursor.pending = None
+        with guarded_forward(rt):  # e.g. NaN logits make sampling raise
+            token = rt.engine.sample(s.temperature, s.top_k, s.top_p, rt.generator)
+        cursor.pending = token
+        now = time.perf_counter()
+        if not self.token_ids:
+            self.t_first = now
+        if s.eos and token in rt.tokenizer.eos_token_ids:
+            self.finish('eos')
+            raise StopIteration
+        self.token_ids.append(token)
+        last = len(self.token_ids) >= s.max_new_tokens
+        piece = self._new_text()
+        if piece.endswith('\ufffd') and not last:
+            # Hold it back while more tokens may follow: it can be a multi-byte character
+            # cut in the middle. The last event flushes everything.
+            piece = ''
+        elif piece:
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        reason = 'max_tokens' if last else None
+        if piece and s.stop:
+            seen = self.tail + piece
+            if any(x in seen for x in s.stop):
+                reason = 'stop_string'
+            self.tail = seen[-max(len(x) for x in s.stop):]
+        if reason:
+            self.finish(reason)
+        return TokenEvent(len(self.token_ids) - 1, token, piece)
+
+    def _new_text(self) -> str:
+        """Return the text the tokens past read_offset add (see __init__)."""
+        ids, decode = self.token_ids, self._rt.tokenizer.decode
+        done = decode(ids[self.prefix_offset:self.read_offset])
+        text = decode(ids[self.prefix_offset:])
+        return text[len(done):] if len(text) > len(done) else ''
+
+    def _release(self) -> None:
+        """Free the runtime's writer slot, if this turn holds it."""
+        rt = self._rt
+        if rt._turn is self:
+            rt._turn = None
+            rt._interrupt.clear()
+
+    def finish(self, reason: str, commit: bool = True) -> None:
+        """End of turn: build the result, commit the boundary, free the writer slot."""
+        rt = self._rt
+        with rt._lock:
+            if self.result is not None:
+                return
+            ids = list(self.token_ids)
+            text = rt.tokenizer.decode(ids)
+            if reason == 'stop_string':
+                text = text[: min(text.find(x) for x in self.sampling.stop if x in text)]
+            n = len(ids)
+            now = time.perf_counter()
+            decode_s = now - self.t_first if n > 1 else 0.0
+            tps = (n - 1) / decode_s if decode_s > 0 else 0.0
+            self.result = GenerationResult(
+                ids,
+                text,
+                reason,
+                (self.t_first - self.t_start) if n else 0.0,
+                tps,
+                len(self.prompt_ids or ()),
+            )
+            if tps > 0:
+                rt._decode_tps = tps
+            if commit and self.started and rt._turn is self and not rt._closed:
+                rt._commit()  # end of turn is a committed boundary
+            self._release()

@@ -1,0 +1,163 @@
+"""
+Preemption: a restore or rollback that replaces the state of a running generation.
+
+Concurrency. One writer: every state access holds the step lock (Runtime._lock), which a
+generation takes for each of its steps. restore/rollback(..., preempt=True) checks its
+capsule first; then preempt_with (one at a time, under Runtime._preemption_lock) arms a
+global forward pre-hook, sets Runtime._preemption and waits for the step lock. The generation
+thread meets the request at its next step boundary, or inside the forward at the next
+module call (the hook raises StepAborted there, on that thread only), ends its turn and
+runs it (serve); when no step runs, the caller runs it itself. An abandoned forward leaves
+the state torn, and the capsule written over it also zeroes the rows that forward may have
+written (Cursor.extent). A captured CUDA graph replays as one launch, so there the wait is
+up to one step; a policy's act() is always waited for.
+
+A forward that fails half-way for any other reason (out of memory, a bug in a custom
+module, Ctrl-C) puts the newest committed boundary back (guarded_forward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+from .state.capsule import CapsuleInfo
+
+
+class StepAborted(Exception):
+    """Raised inside the model when a running step is abandoned (the state is then torn)."""
+
+
+class Preemption:
+    """
+    A restore or rollback waiting to replace the state of a running generation.
+
+    Armed from the start (an LM runtime): once it is Runtime._preemption, the next module call
+    of the turn's abortable forward raises StepAborted. Module calls read the global hooks
+    each time, so that holds at once, also while the turn is inside a forward. The hook
+    sees every module call of the process, so it checks the thread; without a waiting
+    preemption there is no hook at all, so a step pays nothing for being abortable. A
+    policy's act() is not abandoned: the preemption waits for it (one control step).
+    """
+
+    def __init__(self, rt, run):
+        self.run = run  # run(from_newest: bool) -> CapsuleInfo, with the step lock held
+        self.done = False
+        self.result: CapsuleInfo | None = None
+        self.error: BaseException | None = None
+        self.hook = None
+        if not rt.is_policy:
+            def check(module, args):
+                if rt._preemption is not None and rt._abortable_thread == threading.get_ident():
+                    raise StepAborted()
+
+            self.hook = torch.nn.modules.module.register_module_forward_pre_hook(check)
+
+
+def preempt_with(rt, run) -> CapsuleInfo:
+    """
+    Run run(from_newest) with the step lock held, ending a running generation first.
+
+    run must check first that the runtime is still open (close() may run while this waits).
+    """
+    with rt._preemption_lock:
+        request = Preemption(rt, run)  # armed first: see Preemption
+        try:
+            rt._preemption = request
+            with rt._lock:
+                rt._preemption = None
+                if not request.done:  # no step was running: a boundary or idle
+                    gen = rt._turn
+                    return run(gen is not None and end_turn(gen, torn=False))
+        finally:
+            rt._preemption = None
+            if request.hook is not None:
+                request.hook.remove()
+    if request.error is not None:
+        raise request.error
+    return request.result
+
+
+def serve(rt, gen, torn: bool) -> None:
+    """
+    End `gen` and run the waiting preemption (lock held, on the generation thread).
+
+    torn: a forward was abandoned half-way, so the turn ends uncommitted and the live state
+    must be replaced; if the preemption fails anyway (it was checked before it was armed)
+    the last committed boundary is put back instead.
+    """
+    request = rt._preemption
+    from_newest = end_turn(gen, torn)
+    try:
+        request.result = request.run(from_newest)
+    except Exception as exc:
+        request.error = exc
+        if torn:
+            recover_torn(rt)
+    request.done = True
+    rt._preemption = None  # served: a turn started before the caller wakes must not see it
+
+
+def end_turn(gen, torn: bool) -> bool:
+    """
+    End `gen` for a waiting restore/rollback (lock held); return its run()'s `from_newest`.
+
+    True when the turn committed no end of its own, so a rollback counts from the newest
+    boundary: cut mid-step (torn), or claimed and never started.
+    """
+    from_newest = torn or not gen.started
+    gen.finish('interrupted', commit=not torn)
+    return from_newest
+
+
+def recover_torn(rt) -> None:
+    """Replace a half-updated state: the newest committed boundary, else a reset."""
+    if rt.ring and rt.ring.depth > 0:
+        rt.codec.apply(rt.ring[-1])
+    else:
+        rt.reset()
+
+
+@contextlib.contextmanager
+def guarded_forward(rt):
+    """
+    Put the state back when a forward fails half-way (lock held).
+
+    An error from inside the model can leave some layers stepped and others not. The newest
+    committed boundary comes back (the state before the call, outside a turn; a reset when
+    rollback_depth is 0), a running turn ends uncommitted, and the error goes on to the
+    caller. A preemption's StepAborted has its own path (serve).
+    """
+    try:
+        yield
+    except StepAborted:
+        raise
+    except BaseException as exc:
+        gen = rt._turn
+        if gen is not None and rt._preemption is not None:
+            # A restore/rollback waits for this step: it replaces the state as it would
+            # have replaced an abandoned one (rollback(1) lands on the prompt's end).
+            serve(rt, gen, torn=True)
+            where = 'the waiting preemption replaced the state'
+        else:
+            if gen is not None:
+                gen.finish('error', commit=False)
+            recover_torn(rt)
+            where = (f'the state was put back to the last committed boundary (position '
+                     f'{rt.cursor.position})' if rt.ring.depth > 0
+                     else 'the state was reset (rollback_depth is 0)')
+        if hasattr(exc, 'add_note'):  # Python 3.11+
+            exc.add_note(f'flashrt: the step failed half-way; {where}')
+        raise
+
+
+@contextlib.contextmanager
+def abortable_forward(rt):
+    """Let a waiting preemption abandon the forward run inside (StepAborted)."""
+    rt._abortable_thread = threading.get_ident()
+    try:
+        yield
+    finally:
+        rt._abortable_thread = 0
