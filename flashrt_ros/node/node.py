@@ -19,7 +19,7 @@ from flashrt_ros.msg import ActionChunk, CapsuleEvent, Interrupt, TokenChunk
 from flashrt_ros.qos import ACTIONS_QOS, COMMAND_QOS, DIAGNOSTICS_QOS, INTERRUPT_QOS
 from flashrt_ros.qos import OBSERVATION_QOS, STREAM_QOS
 from flashrt_ros.runtime import BusyError, FlashRTError, Runtime
-from flashrt_ros.runtime.capsule import TIERS
+from flashrt_ros.runtime.config import TIERS
 from flashrt_ros.session import BUSY_MESSAGE, InterruptMode, Session, Turn, TurnRequest
 from flashrt_ros.srv import DeleteCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
