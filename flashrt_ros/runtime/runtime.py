@@ -40,7 +40,7 @@ from .models.policy import is_policy_model, load_policy
 from .policy_mode import ActionChunk, control_step
 from .preemption import preempt_with, Preemption
 from .state.arena import dtype_from_name, StateArena
-from .state.capsule import boundary_name, Capsule, CapsuleInfo, validate_name, validate_tier
+from .state.capsule import BOUNDARY_NAME, Capsule, CapsuleInfo, validate_name, validate_tier
 from .state.codec import Cursor, StateCodec
 from .state.memory import BlobPool, move_blob
 from .state.ring import RollbackRing
@@ -174,7 +174,8 @@ class Runtime:
     def _commit(self) -> None:
         """Mark the live state as a committed boundary (push it on the rollback ring)."""
         if self.ring.depth > 0:
-            self.ring.push(self.codec.capture(boundary_name(self.cursor.position), 'device'))
+            name = BOUNDARY_NAME.format(self.cursor.position)
+            self.ring.push(self.codec.capture(name, 'device'))
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -468,7 +469,7 @@ class Runtime:
         dt = time.perf_counter() - t0
         # Reported as the boundary it is, whatever capsule the ring held for it.
         return target.info(dt, tier='device')._replace(
-            name=boundary_name(target.position), pinned=False)
+            name=BOUNDARY_NAME.format(target.position), pinned=False)
 
     def list_capsules(self, tier: str | None = None,
                       unreadable: list[str] | None = None) -> list[CapsuleInfo]:

@@ -1,5 +1,6 @@
 """Streaming generation: stop conditions, interrupt, and the one-writer rules across threads."""
 
+import json
 import os
 import signal
 import subprocess
@@ -245,6 +246,9 @@ def test_stats_report_tiers_and_restore_times(make_runtime):
     assert stats.tiers['device'].count == 1
     assert stats.last_restore_s > 0 and stats.p99_restore_s >= stats.last_restore_s * 0
     assert stats.rollback_ring.count >= 2 and stats.rollback_ring.bytes_used > 0
+    as_json = json.loads(json.dumps(stats.to_dict()))  # the nested dict benchmarks write
+    assert as_json['tiers']['device']['count'] == 1 and as_json['position'] == rt.position
+    assert as_json['rollback_ring']['depth'] == 4 and 'control_step_s' not in as_json
     assert set(rt.components) >= {'kv', 'conv', 'recurrent', 'rng', 'meta'}
 
 

@@ -88,6 +88,8 @@ def test_every_control_step_is_a_committed_boundary(policy):
         digests.append(rt.state_digest())
     info = rt.rollback(1)
     assert info.position == rt.position == 2 and rt.state_digest() == digests[1]
+    stats = rt.stats()
+    assert stats.control_step_s > 0 and stats.to_dict()['control_step_s'] == stats.control_step_s
 
 
 @pytest.mark.parametrize('bad', [

@@ -22,6 +22,9 @@ from ..config import TIERS
 from ..errors import CapsuleNotFoundError, FlashRTError, InvalidNameError
 
 MAX_NAME_LEN = 128
+# The name a committed boundary on the rollback ring reports: BOUNDARY_NAME.format(position).
+# Not a valid capsule name, so it never clashes with a stored one.
+BOUNDARY_NAME = '@boundary-{}'
 _NAME_RE = re.compile(r'[A-Za-z0-9][A-Za-z0-9_.\-]*')  # whole name: fullmatch
 
 
@@ -45,11 +48,6 @@ def validate_tier(tier: Any) -> str:
     if tier not in TIERS:
         raise FlashRTError(f"tier {tier!r} is not valid; use one of {', '.join(TIERS)}")
     return tier
-
-
-def boundary_name(position: int) -> str:
-    """Name of a committed boundary on the rollback ring (outside the capsule namespace)."""
-    return f'@boundary-{position}'
 
 
 def not_found(name: str) -> CapsuleNotFoundError:

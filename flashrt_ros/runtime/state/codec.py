@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from .arena import StateArena
-from .capsule import boundary_name, Capsule
+from .capsule import BOUNDARY_NAME, Capsule
 from .memory import host_blob
 from ..errors import CorruptCapsuleError, FingerprintMismatchError
 
@@ -213,7 +213,7 @@ class StateCodec:
             return None
         if kinds is None and cap.tier == 'device':
             return cap
-        name = boundary_name(self.cursor.position)
+        name = BOUNDARY_NAME.format(self.cursor.position)
         if kinds is None and blob.numel() == cap.packing.nbytes and (
                 cap.tier == 'host' or blob is not cap.blob):
             entry = cap.with_blob(name, 'device', blob)
