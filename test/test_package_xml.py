@@ -20,7 +20,7 @@ IMPORT_TO_KEY = {
     'pytest': 'python3-pytest',
     'catkin_pkg': 'python3-catkin-pkg',
 }
-LOCAL = {'flashrt_ros', 'conftest', 'node_harness'}  # node_harness: test/node helpers
+LOCAL = {'flashrt_ros', 'conftest', 'node_harness', 'session_harness'}  # test helpers
 
 
 def _python_files():
