@@ -4,10 +4,12 @@ Policy mode: observations in, action chunks out.
 stepping 'observation': each observation is one control step (Runtime.act, a committed
 boundary) and its whole chunk is published. stepping 'timer': tick() steps on the newest
 observation (if one arrived) and publishes one queued action, so the runtime's action queue
-is what the robot executes. Every method runs in the node's state callback group, so a
-control step never interleaves with a capsule operation and needs no lock of its own.
+is what the robot executes. `_gate` makes taking an observation in (the staleness check
+and the step, or the store for the next tick) one step against forget_inputs, which a
+deactivate or a restore calls from another thread: nothing from before it is folded in.
 """
 
+import threading
 import time
 
 from flashrt_ros.runtime import FlashRTError, InvalidRequestError
@@ -27,6 +29,7 @@ class PolicyMode(Mode):
     def __init__(self, runtime, param, outputs):
         super().__init__(runtime, param, outputs)
         self._timer_stepping = param('stepping') == 'timer'
+        self._gate = threading.Lock()   # guards the two fields below and taking one in
         self._latest = None             # newest valid observation (timer stepping)
         self._interrupted_at = 0.0      # wall time before which observations are stale
 
@@ -48,22 +51,24 @@ class PolicyMode(Mode):
 
     def observe(self, values, received):
         """Take an observation vector that the middleware received at wall time `received`."""
-        if received <= self._interrupted_at:
-            return  # sent before the last interrupt/reset: it belongs to the stopped episode
-        if not self._timer_stepping:
-            self._step(values)
-            return
-        try:
-            self.runtime.check_observation(values)
-        except FlashRTError as exc:
-            self.reject_observation(str(exc))
-            return
-        self._latest = values
+        with self._gate:
+            if received <= self._interrupted_at:
+                return  # sent before the last interrupt/reset: it belongs to the stopped episode
+            if not self._timer_stepping:
+                self._step(values)
+                return
+            try:
+                self.runtime.check_observation(values)
+            except FlashRTError as exc:
+                self.reject_observation(str(exc))
+                return
+            self._latest = values
 
     def tick(self):
-        values, self._latest = self._latest, None
-        if values is not None:
-            self._step(values)
+        with self._gate:
+            values, self._latest = self._latest, None
+            if values is not None:
+                self._step(values)
         rt = self.runtime
         try:
             action = rt.next_action()
@@ -74,8 +79,9 @@ class PolicyMode(Mode):
             self._out.actions(rt.position, [action.tolist()], rt.policy_spec.joint_names)
 
     def forget_inputs(self, before=None):
-        self._interrupted_at = max(self._interrupted_at, before or time.time())
-        self._latest = None
+        with self._gate:
+            self._interrupted_at = max(self._interrupted_at, before or time.time())
+            self._latest = None
 
     def after_interrupt(self):
         # After the restore: a restored capsule may hold an older chunk's queue.

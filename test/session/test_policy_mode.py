@@ -1,5 +1,6 @@
 """Policy mode: the observation gate, observation and timer stepping, interrupts."""
 
+import threading
 import time
 
 from flashrt_ros.runtime import FlashRTError
@@ -51,6 +52,33 @@ def test_restore_and_rollback_forget_older_observations(make_session):
     session.rollback(1)
     session.mode.observe(_obs(session), sent)
     assert len(out.actions_out) == 1 and session.runtime.position == 0
+
+
+def test_an_observation_taken_in_while_inputs_are_forgotten_is_not_folded_in(make_session,
+                                                                            settings):
+    """A deactivate's forget_inputs in the middle of taking an observation in comes after it."""
+    settings['stepping'] = 'timer'
+    session, _ = make_session(POLICY, 'policy')
+    checking, go_on = threading.Event(), threading.Event()
+    check = session.runtime.check_observation
+
+    def slow_check(values):  # the observation passed the staleness check, not yet stored
+        checking.set()
+        go_on.wait(5.0)
+        return check(values)
+
+    session.runtime.check_observation = slow_check
+    taking = threading.Thread(target=session.mode.observe, args=(_obs(session), time.time()))
+    taking.start()
+    assert checking.wait(5.0)
+    forgetting = threading.Thread(target=session.mode.forget_inputs)
+    forgetting.start()
+    time.sleep(0.1)  # without the gate, the forget is over before the observation is stored
+    go_on.set()
+    taking.join(5.0)
+    forgetting.join(5.0)
+    session.mode.tick()
+    assert session.runtime.position == 0, 'an observation from before the forget was folded in'
 
 
 def test_timer_stepping_steps_on_the_newest_and_sends_one_action_a_tick(make_session, settings):
