@@ -54,8 +54,7 @@ def test_restore_and_rollback_forget_older_observations(make_session):
     assert len(out.actions_out) == 1 and session.runtime.position == 0
 
 
-def test_an_observation_taken_in_while_inputs_are_forgotten_is_not_folded_in(make_session,
-                                                                            settings):
+def test_an_observation_taken_in_during_a_forget_is_not_folded_in(make_session, settings):
     """A deactivate's forget_inputs in the middle of taking an observation in comes after it."""
     settings['stepping'] = 'timer'
     session, _ = make_session(POLICY, 'policy')
