@@ -2,10 +2,11 @@
 The `flashrt` lifecycle node: ROS 2 entities mapped onto the session layer and the runtime.
 
 Callbacks convert a message, call the session (who may touch the state, and when) or the
-runtime, and convert back. Callbacks that change the live state (capsule services,
-~/interrupt, ~/reset, ~/prompt, observations and the control timer) share one
-MutuallyExclusiveCallbackGroup: one writer. Cheap queries (list, digest, diagnostics) use a
-reentrant group and never wait for the writers. docs/architecture.md has the whole picture.
+runtime, and convert back. Callback groups: the capsule services, ~/prompt, the
+observations and the control timer share one mutually exclusive group (one writer);
+~/interrupt and ~/reset have one of their own, so an e-stop never waits behind a capsule
+service's disk I/O (the runtime's step lock and the session order what both touch). Cheap
+queries (list, digest, diagnostics) use a reentrant group. docs/architecture.md has more.
 """
 
 import collections
@@ -74,6 +75,7 @@ class FlashRTNode(LifecycleNode):
         self.tune_switch_interval = False   # main() sets it (session/turns.py says why)
 
         self._state_group = MutuallyExclusiveCallbackGroup()
+        self._interrupt_group = MutuallyExclusiveCallbackGroup()
         self._query_group = ReentrantCallbackGroup()
         self._action_group = ReentrantCallbackGroup()
 
@@ -111,18 +113,19 @@ class FlashRTNode(LifecycleNode):
         # A silent QoS mismatch on ~/interrupt would lose every interrupt: it is reported.
         interrupt_events = SubscriptionEventCallbacks(
             incompatible_qos=self._interrupt_qos_mismatch, use_default_callbacks=False)
-        for msg_type, topic, callback, qos, events in (
-                (String, '~/prompt', self._prompt_callback, COMMAND_QOS, None),
+        interrupts = self._interrupt_group
+        for msg_type, topic, callback, qos, events, group in (
+                (String, '~/prompt', self._prompt_callback, COMMAND_QOS, None, state),
                 (Interrupt, '~/interrupt', self._interrupt_callback, INTERRUPT_QOS,
-                 interrupt_events),
-                (Empty, '~/reset', self._reset_callback, COMMAND_QOS, None),
+                 interrupt_events, interrupts),
+                (Empty, '~/reset', self._reset_callback, COMMAND_QOS, None, interrupts),
                 (JointState, '~/observation', self._joint_state_callback, OBSERVATION_QOS,
-                 None),
+                 None, state),
                 (Float32MultiArray, '~/observation_vector', self._vector_callback,
-                 OBSERVATION_QOS, None)):
+                 OBSERVATION_QOS, None, state)):
             if not _MESSAGE_INFO and callback.__code__.co_argcount == 3:  # (self, msg, info)
                 callback = functools.partial(_without_info, callback)
-            self.create_subscription(msg_type, topic, callback, qos, callback_group=state,
+            self.create_subscription(msg_type, topic, callback, qos, callback_group=group,
                                      event_callbacks=events)
         self.create_timer(self._param('diagnostics_period'), self._diagnostics_callback,
                           callback_group=query)
@@ -170,7 +173,7 @@ class FlashRTNode(LifecycleNode):
                 problem = parameters.choice_problem(name, self._param(name))
                 if problem:
                     raise FlashRTError(problem)
-            config = parameters.runtime_config(self)
+            config = parameters.runtime_config(self, self.get_fully_qualified_name())
             t0 = time.perf_counter()
             runtime = Runtime(config)
             session = Session(runtime, self._param('mode'), self._param, self.outputs)
@@ -335,7 +338,7 @@ class FlashRTNode(LifecycleNode):
     def _snapshot_callback(self, request, response):
         tier = request.tier or 'device'
         info = self._call('snapshot', request.name, tier, response,
-                          lambda: self._runtime.snapshot(request.name, tier, request.pinned))
+                          lambda: self._session.snapshot(request.name, tier, request.pinned))
         if info is None:
             return response
         self._fill(response, info)
@@ -356,7 +359,7 @@ class FlashRTNode(LifecycleNode):
 
     def _fork_callback(self, request, response):
         info = self._call('fork', request.target, request.tier, response,
-                          lambda: self._runtime.fork(request.source, request.target,
+                          lambda: self._session.fork(request.source, request.target,
                                                      request.tier or None))
         if info is None:
             return response
@@ -379,7 +382,7 @@ class FlashRTNode(LifecycleNode):
 
     def _delete_callback(self, request, response):
         info = self._call('delete', request.name, '', response,
-                          lambda: self._runtime.delete_capsule(request.name))
+                          lambda: self._session.delete(request.name))
         if info is None:
             return response
         response.freed_bytes = int(info.nbytes)

@@ -14,6 +14,12 @@ from .messages import TRAJECTORY_FIELDS
 
 # Parameters that build the Runtime; a change takes effect at the next configure.
 RUNTIME_PARAMS = tuple(f.name for f in dataclasses.fields(RuntimeConfig))
+# Set at start-up only: a peer on the DDS domain must not point the node at another model
+# or directory, or change what it may hold.
+READ_ONLY = ('model', 'device', 'capsule_dir', 'device_budget_bytes', 'host_budget_bytes',
+             'disk_budget_bytes')
+# Each node keeps its disk capsules apart: {node} is its fully qualified name.
+DEFAULT_CAPSULE_DIR = '~/.cache/flashrt_ros/capsules/{node}'
 _RUNTIME_DEFAULTS = RuntimeConfig()
 _MAX_INT = 2 ** 62
 _REBUILD = ' Takes effect at the next configure.'
@@ -33,10 +39,16 @@ class Param:
     constraints: str = ''       # said in the descriptor when there are no choices
 
     def descriptor(self):
-        rebuild = _REBUILD if self.name in RUNTIME_PARAMS or self.name in _AT_CONFIGURE else ''
+        if self.name in READ_ONLY:
+            note = ' Read-only: set at start-up (--ros-args -p, a parameter file, launch).'
+        elif self.name in RUNTIME_PARAMS or self.name in _AT_CONFIGURE:
+            note = _REBUILD
+        else:
+            note = ''
         constraints = ' | '.join(self.choices) or self.constraints
-        d = ParameterDescriptor(description=self.description + rebuild,
-                                additional_constraints=constraints)
+        d = ParameterDescriptor(description=self.description + note,
+                                additional_constraints=constraints,
+                                read_only=self.name in READ_ONLY)
         if self.string_array:
             d.type = ParameterType.PARAMETER_STRING_ARRAY
         if self.integer is not None:
@@ -73,7 +85,9 @@ PARAMETERS = (
              integer=(0, _MAX_INT)),
     _runtime('disk_budget_bytes', 'Byte budget of the capsule directory (0 = unlimited).',
              integer=(0, _MAX_INT)),
-    _runtime('capsule_dir', 'Directory of the disk tier; capsules there outlive the node.'),
+    Param('capsule_dir', DEFAULT_CAPSULE_DIR,
+          'Directory of the disk tier; capsules there outlive the node. {node} stands for the '
+          "node's fully qualified name, so that two nodes never share one by default."),
     _runtime('eviction', 'When a tier is full: refuse the snapshot, or evict least-recently-'
              'used unpinned capsules.', choices=EVICTION_POLICIES),
     _runtime('cuda_graphs', 'Capture the decode step as a CUDA graph at activation (ignored '
@@ -83,6 +97,9 @@ PARAMETERS = (
     Param('home_capsule', 'home',
           'Name of the capsule taken at activation (system prompt prefilled); ~/reset and the '
           'restore_home policy restore it.'),
+    Param('protect_home', True,
+          '~/snapshot, ~/fork and ~/delete_capsule may not replace or delete the home capsule '
+          '(set false to allow it).'),
     Param('system_prompt', 'You are a helpful robot.',
           'Text prefilled at activation before the home capsule is taken (may be empty; '
           'ignored in policy mode).'),
@@ -147,7 +164,13 @@ def _validate(parameters):
     return SetParametersResult(successful=True)
 
 
-def runtime_config(node):
+def capsule_dir(template, node_name):
+    """Return capsule_dir with {node} replaced by the node's name (/ns/flashrt: ns/flashrt)."""
+    return template.replace('{node}', node_name.strip('/'))
+
+
+def runtime_config(node, node_name):
     """Return the RuntimeConfig the node's parameters describe (ConfigError if invalid)."""
-    return RuntimeConfig.from_dict({name: node.get_parameter(name).value
-                                    for name in RUNTIME_PARAMS})
+    values = {name: node.get_parameter(name).value for name in RUNTIME_PARAMS}
+    values['capsule_dir'] = capsule_dir(values['capsule_dir'], node_name)
+    return RuntimeConfig.from_dict(values)

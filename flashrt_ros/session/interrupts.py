@@ -48,8 +48,20 @@ class Interrupts:
         if mode == InterruptMode.POLICY:
             mode = POLICY_MODES[self._param('interrupt_policy')]
         capsule = capsule or self._param('home_capsule')
+        with self._mode.quiet():  # no input taken in until the state is where it goes
+            self._mode.forget_inputs(received)
+            name, tier, nbytes, success, message, replaced_at = self._stop_and_replace(
+                operation, mode, boundaries, capsule)
+        wall, stamp = replaced_at or (time.time(), None)
+        if reason:
+            message += f' (reason: {reason})'
+        name = name or (capsule if mode == InterruptMode.RESTORE else '')  # STOP names none
+        self._out.event(operation, name, tier, nbytes, (wall - received) * 1e3, success,
+                        message, stamp)
+
+    def _stop_and_replace(self, operation, mode, boundaries, capsule):
+        """Stop, then roll back or restore; return (name, tier, bytes, ok, message, at)."""
         name, tier, nbytes, success = '', '', 0, True
-        self._mode.forget_inputs(received)
         replaced_at = None
         try:
             if mode == InterruptMode.STOP:
@@ -73,12 +85,7 @@ class Interrupts:
                 with self._turns.stopped():
                     message += f'; stopped at position {self._rt.position} instead'
             self._out.log('warning', message)
-        wall, stamp = replaced_at or (time.time(), None)
-        if reason:
-            message += f' (reason: {reason})'
-        name = name or (capsule if mode == InterruptMode.RESTORE else '')  # STOP names none
-        self._out.event(operation, name, tier, nbytes, (wall - received) * 1e3, success,
-                        message, stamp)
+        return name, tier, nbytes, success, message, replaced_at
 
     def _replace_state(self, operation, mode, boundaries, capsule):
         """

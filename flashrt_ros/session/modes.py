@@ -6,6 +6,8 @@ The node and the session call only the methods below; whatever a kind of model n
 beyond them (its inputs, its outputs) stays inside its module.
 """
 
+import contextlib
+
 
 class Mode:
     """What differs between kinds of model; the defaults are those of a mode that has none."""
@@ -44,6 +46,10 @@ class Mode:
 
     def forget_inputs(self, before=None):
         """Drop inputs received before `before` (default now): they belong to a past episode."""
+
+    def quiet(self):
+        """Return a context in which the mode takes no input in (around an interrupt)."""
+        return contextlib.nullcontext()
 
     def after_interrupt(self):
         """Finish an interrupt or reset for this mode; return a note for its event."""

@@ -5,8 +5,10 @@ stepping 'observation': each observation is one control step (Runtime.act, a com
 boundary) and its whole chunk is published. stepping 'timer': tick() steps on the newest
 observation (if one arrived) and publishes one queued action, so the runtime's action queue
 is what the robot executes. `_gate` makes taking an observation in (the staleness check
-and the step, or the store for the next tick) one step against forget_inputs, which a
-deactivate or a restore calls from another thread: nothing from before it is folded in.
+and the step, or the store for the next tick) and a tick each one step against
+forget_inputs and against an interrupt (quiet()), which run on other threads: nothing from
+before them is folded in, and no queued action goes out between an interrupt's restore
+and its dropping the queue.
 """
 
 import threading
@@ -29,7 +31,7 @@ class PolicyMode(Mode):
     def __init__(self, runtime, param, outputs):
         super().__init__(runtime, param, outputs)
         self._timer_stepping = param('stepping') == 'timer'
-        self._gate = threading.Lock()   # guards the two fields below and taking one in
+        self._gate = threading.RLock()  # guards the two fields below and taking one in
         self._latest = None             # newest valid observation (timer stepping)
         self._interrupted_at = 0.0      # wall time before which observations are stale
 
@@ -65,23 +67,26 @@ class PolicyMode(Mode):
             self._latest = values
 
     def tick(self):
+        rt = self.runtime
         with self._gate:
             values, self._latest = self._latest, None
             if values is not None:
                 self._step(values)
-        rt = self.runtime
-        try:
-            action = rt.next_action()
-        except FlashRTError as exc:
-            self._out.log('warning', f'control tick: {exc}', throttle_s=5.0)
-            return
-        if action is not None:
-            self._out.actions(rt.position, [action.tolist()], rt.policy_spec.joint_names)
+            try:
+                action = rt.next_action()
+            except FlashRTError as exc:
+                self._out.log('warning', f'control tick: {exc}', throttle_s=5.0)
+                return
+            if action is not None:
+                self._out.actions(rt.position, [action.tolist()], rt.policy_spec.joint_names)
 
     def forget_inputs(self, before=None):
         with self._gate:
             self._interrupted_at = max(self._interrupted_at, before or time.time())
             self._latest = None
+
+    def quiet(self):
+        return self._gate
 
     def after_interrupt(self):
         # After the restore: a restored capsule may hold an older chunk's queue.

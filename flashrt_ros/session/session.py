@@ -1,6 +1,6 @@
 """The session of one configured runtime: its mode, its turns and its interrupts."""
 
-from flashrt_ros.runtime import FlashRTError
+from flashrt_ros.runtime import FlashRTError, InvalidRequestError
 
 from .interrupts import Interrupts
 from .lm import BUSY_MESSAGE, LMMode
@@ -75,6 +75,29 @@ class Session:
     def reserve_turn(self, source):
         """Count a generation request in, or return why it is refused ('' if admitted)."""
         return self.turns.reserve(source, self.mode.turn_refusal(source))
+
+    def snapshot(self, name, tier='device', pinned=False):
+        """Snapshot the live state as `name` (refused for a protected home capsule)."""
+        self._check_not_home(name, 'replace')
+        return self.runtime.snapshot(name, tier, pinned)
+
+    def fork(self, source, target, tier=None):
+        """Copy capsule `source` to `target` (refused onto a protected home capsule)."""
+        self._check_not_home(target, 'replace')
+        return self.runtime.fork(source, target, tier)
+
+    def delete(self, name):
+        """Delete capsule `name` (refused for a protected home capsule)."""
+        self._check_not_home(name, 'delete')
+        return self.runtime.delete_capsule(name)
+
+    def _check_not_home(self, name, what):
+        home = self._param('home_capsule')
+        if name == home and self._param('protect_home'):
+            raise InvalidRequestError(
+                f'capsule {home!r} is the home capsule, which ~/reset and the restore_home '
+                f'policy restore; it cannot be {what}d while protect_home is true (set it '
+                'false to allow that, or use another name)')
 
     def restore(self, name, mode='full'):
         """Restore between turns (BusyError while one runs); inputs before it are dropped."""

@@ -1,5 +1,7 @@
-"""Helpers of the node tests: clients, activation waits and the event log."""
+"""Helpers of the node tests: clients, activation waits, the event log, in-process nodes."""
 
+import contextlib
+import threading
 import time
 
 import pytest
@@ -63,3 +65,46 @@ class EventLog:
     def close(self):
         """Destroy the subscription."""
         self._client.node.destroy_subscription(self._sub)
+
+
+@contextlib.contextmanager
+def node_in_process(name, params, prepare=None):
+    """
+    Run a FlashRTNode in this process (own context and executor); yield (client, node).
+
+    prepare(node), if given, runs before configure: a test hooks the node's seams there.
+    """
+    from flashrt_ros.node import FlashRTNode
+    from flashrt_ros.spin import spin_until_shutdown
+    import rclpy
+    from rclpy.executors import MultiThreadedExecutor
+    from rclpy.parameter import Parameter
+    from rclpy.signals import SignalHandlerOptions
+    context = rclpy.Context()
+    rclpy.init(context=context, signal_handler_options=SignalHandlerOptions.NO)
+    node = FlashRTNode(context=context, cli_args=['--ros-args', '-r', f'__node:={name}'],
+                       parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
+    executor = MultiThreadedExecutor(num_threads=6, context=context)
+    executor.add_node(node)
+    stopping = threading.Event()
+    spinner = threading.Thread(target=spin_until_shutdown, daemon=True,
+                               args=(executor, node.get_logger(), stopping.is_set))
+    client = None
+    try:
+        if prepare is not None:
+            prepare(node)
+        node.trigger_configure()
+        node.trigger_activate()
+        spinner.start()
+        client = start_client(name)
+        assert client.wait_until_active(60.0) and client.wait_for_subscribers(10.0)
+        yield client, node
+    finally:
+        if client is not None:
+            client.close()
+        stopping.set()
+        node.trigger_shutdown()
+        executor.shutdown(timeout_sec=2.0)
+        spinner.join(timeout=2.0)
+        node.destroy_node()
+        rclpy.try_shutdown(context=context)

@@ -9,18 +9,13 @@ lifecycle publisher that still carries a final chunk while deactivating. The slo
 through public seams: rclpy's action server callbacks and the node's session outputs.
 """
 
-import threading
 import time
 
 from action_msgs.msg import GoalStatus
 from flashrt_ros.msg import Interrupt
-from flashrt_ros.spin import spin_until_shutdown
-from node_harness import HOME, NODE_A_PARAMS, start_client, wait_until as _wait
+from node_harness import HOME, NODE_A_PARAMS, node_in_process, wait_until as _wait
 import pytest
-import rclpy
-from rclpy.executors import MultiThreadedExecutor
 from rclpy.parameter import Parameter
-from rclpy.signals import SignalHandlerOptions
 
 NAME = 'flashrt_probe'
 DELAY = 0.3  # seconds a slowed step takes
@@ -54,36 +49,10 @@ def _slow_down(node, delays):
 @pytest.fixture(scope='module')
 def probe(tmp_path_factory):
     """Run a node in this process; yield (client, delays, node)."""
-    from flashrt_ros.node import FlashRTNode
-    context = rclpy.Context()
-    rclpy.init(context=context, signal_handler_options=SignalHandlerOptions.NO)
     params = dict(NODE_A_PARAMS, capsule_dir=str(tmp_path_factory.mktemp('probe_capsules')))
-    node = FlashRTNode(context=context, cli_args=['--ros-args', '-r', f'__node:={NAME}'],
-                       parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
-    executor = MultiThreadedExecutor(num_threads=6, context=context)
-    executor.add_node(node)
-    stopping = threading.Event()
-    spinner = threading.Thread(target=spin_until_shutdown, daemon=True,
-                               args=(executor, node.get_logger(), stopping.is_set))
     delays = dict.fromkeys(('accepted', 'cancel_return', 'before_final', 'after_final'), 0.0)
-    _slow_down(node, delays)
-    client = None
-    try:
-        node.trigger_configure()
-        node.trigger_activate()
-        spinner.start()
-        client = start_client(NAME)
-        assert client.wait_until_active(60.0) and client.wait_for_subscribers(10.0)
+    with node_in_process(NAME, params, lambda node: _slow_down(node, delays)) as (client, node):
         yield client, delays, node
-    finally:
-        if client is not None:
-            client.close()
-        stopping.set()
-        node.trigger_shutdown()
-        executor.shutdown(timeout_sec=2.0)
-        spinner.join(timeout=2.0)
-        node.destroy_node()
-        rclpy.try_shutdown(context=context)
 
 
 @pytest.fixture

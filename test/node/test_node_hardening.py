@@ -1,0 +1,117 @@
+"""
+Hardening of the node's surface.
+
+The e-stop beside disk I/O, read-only runtime parameters, the protected home capsule, and
+a capsule directory of its own per node.
+"""
+
+import threading
+
+from flashrt_ros.msg import Interrupt
+from flashrt_ros.node import parameters
+from flashrt_ros.runtime.state import disk
+from node_harness import EventLog, HOME, NODE_A_PARAMS, node_in_process, wait_until
+import pytest
+from rcl_interfaces.msg import Parameter as ParameterMsg, ParameterType, ParameterValue
+from rcl_interfaces.srv import SetParameters
+
+NAME = 'flashrt_hardened'
+
+
+def _block_disk_writes(monkeypatch, gate):
+    """Make the disk tier's file write wait on `gate` (with the store's own locks held)."""
+    write = disk.write
+
+    def slow_write(directory, name, data):
+        gate['writing'].set()
+        assert gate['go_on'].wait(30.0)
+        return write(directory, name, data)
+
+    monkeypatch.setattr(disk, 'write', slow_write)
+
+
+@pytest.fixture(scope='module')
+def hardened(tmp_path_factory):
+    """Yield (client, node) of a node run in this process."""
+    params = dict(NODE_A_PARAMS, capsule_dir=str(tmp_path_factory.mktemp('hardened')))
+    with node_in_process(NAME, params) as (client, node):
+        yield client, node
+
+
+def test_an_interrupt_does_not_wait_for_a_disk_snapshot(hardened, monkeypatch):
+    """~/interrupt has a callback group of its own: a snapshot's disk write cannot hold it."""
+    client, node = hardened
+    gate = {'writing': threading.Event(), 'go_on': threading.Event()}
+    _block_disk_writes(monkeypatch, gate)
+    events = EventLog(client)
+    answers = []
+    saver = threading.Thread(target=lambda: answers.append(
+        client.snapshot('big_on_disk', tier='disk', timeout=60.0)))
+    try:
+        assert client.generate('Go somewhere else.', max_new_tokens=3).result.success
+        saver.start()
+        assert gate['writing'].wait(10.0), 'the disk write never started'
+        client.interrupt(mode=Interrupt.RESTORE, capsule=HOME, reason='e-stop')
+        event = events.wait_for(lambda e: e.operation == 'interrupt', timeout=5.0)
+        assert event is not None, 'the interrupt waited for the disk write'
+        assert event.success, event.message
+        assert saver.is_alive(), 'the disk write was not held during the interrupt'
+    finally:
+        gate['go_on'].set()
+        saver.join(30.0)
+        events.close()
+    assert answers and answers[0].success, answers
+    assert client.delete_capsule('big_on_disk').success
+
+
+def _set(client, name, value):
+    if isinstance(value, bool):
+        value = ParameterValue(type=ParameterType.PARAMETER_BOOL, bool_value=value)
+    elif isinstance(value, int):
+        value = ParameterValue(type=ParameterType.PARAMETER_INTEGER, integer_value=value)
+    else:
+        value = ParameterValue(type=ParameterType.PARAMETER_STRING, string_value=value)
+    cli = client.node.create_client(SetParameters, f'{client.base}/set_parameters')
+    try:
+        request = SetParameters.Request(parameters=[ParameterMsg(name=name, value=value)])
+        return client._call(cli, request).results[0]
+    finally:
+        client.node.destroy_client(cli)
+
+
+@pytest.mark.parametrize('name, value', [('model', 'builtin:tiny-llama'),
+                                         ('capsule_dir', '/tmp/elsewhere'),
+                                         ('device', 'cuda'), ('disk_budget_bytes', 1)])
+def test_runtime_identity_parameters_are_read_only(hardened, name, value):
+    client, node = hardened
+    before = node.get_parameter(name).value
+    result = _set(client, name, value)
+    assert not result.successful and 'read-only' in result.reason.lower(), result.reason
+    assert node.get_parameter(name).value == before
+
+
+def test_the_home_capsule_is_protected_over_ros(hardened):
+    client, _ = hardened
+    assert client.restore(HOME).success
+    home = client.state_digest()
+    assert client.fork(HOME, 'home_copy').success, 'forking from home stays allowed'
+    for response in (client.delete_capsule(HOME), client.snapshot(HOME),
+                     client.fork('home_copy', HOME)):
+        assert not response.success and 'protect_home' in response.message, response.message
+    assert client.restore(HOME).success and client.state_digest() == home
+    assert _set(client, 'protect_home', False).successful
+    try:
+        assert client.fork('home_copy', HOME).success, 'allowed once protect_home is false'
+    finally:
+        assert _set(client, 'protect_home', True).successful
+    assert client.delete_capsule('home_copy').success
+    assert wait_until(lambda: client.restore(HOME).success)
+
+
+def test_each_node_has_a_capsule_directory_of_its_own():
+    assert parameters.DEFAULT_CAPSULE_DIR.endswith('/{node}')
+    assert parameters.capsule_dir(parameters.DEFAULT_CAPSULE_DIR, '/flashrt') == \
+        '~/.cache/flashrt_ros/capsules/flashrt'
+    assert parameters.capsule_dir(parameters.DEFAULT_CAPSULE_DIR, '/left_arm/flashrt') == \
+        '~/.cache/flashrt_ros/capsules/left_arm/flashrt'
+    assert parameters.capsule_dir('/data/capsules', '/flashrt') == '/data/capsules'
