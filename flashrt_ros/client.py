@@ -118,19 +118,22 @@ class GoalRun:
 class FlashRTClient:
     """Client for one flashrt node (services, generate action, control topics)."""
 
-    def __init__(self, node='flashrt', namespace='', *, context=None, timeout=10.0):
+    def __init__(self, node='flashrt', namespace='', *, context=None, timeout=10.0,
+                 enclave=''):
         """
         Create the client node and start spinning it.
 
         :param node: name of the flashrt node; `namespace` is the node's namespace.
         :param context: an initialized rclpy Context; None makes (and later shuts down) one.
         :param timeout: default seconds each call waits.
+        :param enclave: the SROS2 enclave of the context this client makes (docs/security.md).
         """
         self.timeout = timeout
         self._own_context = context is None
         if context is None:
             context = Context()
-            rclpy.init(context=context)
+            rclpy.init(context=context,
+                       args=['--ros-args', '--enclave', enclave] if enclave else None)
         self.context = context
         base = '/'.join(p for p in (namespace.strip('/'), node.strip('/')) if p)
         self.base = '/' + base

@@ -5,13 +5,14 @@ Launch one flashrt node with config/flashrt.yaml.
     ros2 launch flashrt_ros flashrt.launch.py model:=/models/qwen3.5-0.8b device:=cuda \
         dtype:=bfloat16 namespace:=arm log_level:=debug
     ros2 launch flashrt_ros flashrt.launch.py mode:=policy model:=builtin:tiny-policy
+    ros2 launch flashrt_ros flashrt.launch.py enclave:=/flashrt_ros/flashrt   # docs/security.md
 """
 
 import os
 
 from ament_index_python.packages import get_package_share_directory
 from launch import LaunchDescription
-from launch.actions import DeclareLaunchArgument
+from launch.actions import DeclareLaunchArgument, OpaqueFunction
 from launch.substitutions import LaunchConfiguration
 from launch_ros.actions import LifecycleNode
 from launch_ros.parameter_descriptions import ParameterValue
@@ -31,7 +32,13 @@ def generate_launch_description():
                      ('params_file', default_params, 'parameter file (see config/flashrt.yaml)'),
                      ('namespace', '', 'namespace of the node (and of its topics)'),
                      ('log_level', 'info', 'debug | info | warn | error'),
-                     ('autostart', 'true', 'configure and activate at startup'))]
+                     ('autostart', 'true', 'configure and activate at startup'),
+                     ('enclave', '', 'SROS2 enclave of the node (empty: unsecured)'))]
+    return LaunchDescription(arguments + [OpaqueFunction(function=_node)])
+
+
+def _node(context):
+    enclave = LaunchConfiguration('enclave').perform(context)
     node = LifecycleNode(
         package='flashrt_ros',
         executable='flashrt_node',
@@ -49,6 +56,7 @@ def generate_launch_description():
                 'autostart': ParameterValue(LaunchConfiguration('autostart'), value_type=bool),
             },
         ],
-        arguments=['--ros-args', '--log-level', LaunchConfiguration('log_level')],
+        arguments=['--ros-args', '--log-level', LaunchConfiguration('log_level')]
+        + (['--enclave', enclave] if enclave else []),
     )
-    return LaunchDescription(arguments + [node])
+    return [node]

@@ -2,6 +2,7 @@
 Launch several flashrt nodes, one per namespace (e.g. one model per arm or per robot).
 
     ros2 launch flashrt_ros flashrt_multi.launch.py namespaces:=left_arm,right_arm
+    ros2 launch flashrt_ros flashrt_multi.launch.py enclave:=/flashrt_ros/{namespace}/flashrt
 
 Each instance is /<namespace>/flashrt with its own topics, services and capsule directory
 (<capsule_root>/<namespace>), so capsule names never collide between instances.
@@ -22,6 +23,7 @@ def _instances(context):
                   LaunchConfiguration('namespaces').perform(context).split(',') if ns.strip()]
     params_file = LaunchConfiguration('params_file').perform(context)
     capsule_root = LaunchConfiguration('capsule_root').perform(context)
+    enclave = LaunchConfiguration('enclave').perform(context)
     # value_type=str: a model path or id must never be parsed as YAML (e.g. as a number)
     overrides = {key: ParameterValue(LaunchConfiguration(key).perform(context), value_type=str)
                  for key in ('model', 'mode', 'device', 'dtype')}
@@ -37,7 +39,8 @@ def _instances(context):
             parameters=[params_file,
                         dict(overrides, capsule_dir=os.path.join(capsule_root, ns))],
             arguments=['--ros-args', '--log-level',
-                       LaunchConfiguration('log_level').perform(context)],
+                       LaunchConfiguration('log_level').perform(context)]
+            + (['--enclave', enclave.replace('{namespace}', ns)] if enclave else []),
         )
         for ns in namespaces
     ]
@@ -60,5 +63,7 @@ def generate_launch_description():
                      ('capsule_root', '~/.cache/flashrt_ros/capsules',
                       'parent of the per-instance capsule directories'),
                      ('log_level', 'info', 'debug | info | warn | error'),
-                     ('autostart', 'true', 'configure and activate each node at startup'))]
+                     ('autostart', 'true', 'configure and activate each node at startup'),
+                     ('enclave', '', 'SROS2 enclave of each node; {namespace} is its namespace, '
+                      'e.g. /flashrt_ros/{namespace}/flashrt (empty: unsecured)'))]
     return LaunchDescription(arguments + [OpaqueFunction(function=_instances)])
