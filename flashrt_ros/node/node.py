@@ -2,11 +2,12 @@
 The `flashrt` lifecycle node: ROS 2 entities mapped onto the session layer and the runtime.
 
 Callbacks convert a message, call the session (who may touch the state, and when) or the
-runtime, and convert back. Callback groups: the capsule services, ~/prompt, the
-observations and the control timer share one mutually exclusive group (one writer);
-~/interrupt and ~/reset have one of their own, so an e-stop never waits behind a capsule
-service's disk I/O (the runtime's step lock and the session order what both touch). Cheap
-queries (list, digest, diagnostics) use a reentrant group. docs/architecture.md has more.
+runtime, and convert back. Two mutually exclusive callback groups: `ordered` takes what
+replaces the state or starts a turn (~/interrupt, ~/reset, ~/restore, ~/rollback,
+~/prompt), applied one at a time in arrival order; `state` takes the rest that writes
+(~/snapshot, ~/fork, ~/delete_capsule, observations, the control timer), so an e-stop never
+waits behind a snapshot's disk write or a listing. Cheap queries (list, digest, diagnostics)
+use a reentrant group. docs/architecture.md has more.
 """
 
 import collections
@@ -70,12 +71,13 @@ class FlashRTNode(LifecycleNode):
         super().__init__(NODE_NAME, **kwargs)
         parameters.declare(self)
         self._session = None                # Session while configured
+        self._goal_turns = None             # the last session's scheduler: goals it ended
         self.outputs = RosOutputs(self)     # what the session publishes through
         self._control_timer = None
         self.tune_switch_interval = False   # main() sets it (session/turns.py says why)
 
         self._state_group = MutuallyExclusiveCallbackGroup()
-        self._interrupt_group = MutuallyExclusiveCallbackGroup()
+        self._ordered_group = MutuallyExclusiveCallbackGroup()
         self._query_group = ReentrantCallbackGroup()
         self._action_group = ReentrantCallbackGroup()
 
@@ -92,12 +94,12 @@ class FlashRTNode(LifecycleNode):
         self._diag_pub = self.create_publisher(DiagnosticArray, '/diagnostics', DIAGNOSTICS_QOS)
         self._events = EventPublisher(events_pub, self.get_logger())
 
-        state, query = self._state_group, self._query_group
+        state, ordered, query = self._state_group, self._ordered_group, self._query_group
         for srv_type, name, callback, group in (
                 (Snapshot, '~/snapshot', self._snapshot_callback, state),
-                (Restore, '~/restore', self._restore_callback, state),
+                (Restore, '~/restore', self._restore_callback, ordered),
                 (Fork, '~/fork', self._fork_callback, state),
-                (Rollback, '~/rollback', self._rollback_callback, state),
+                (Rollback, '~/rollback', self._rollback_callback, ordered),
                 (DeleteCapsule, '~/delete_capsule', self._delete_callback, state),
                 (ListCapsules, '~/list_capsules', self._list_callback, query),
                 (Trigger, '~/state_digest', self._digest_callback, query)):
@@ -113,12 +115,11 @@ class FlashRTNode(LifecycleNode):
         # A silent QoS mismatch on ~/interrupt would lose every interrupt: it is reported.
         interrupt_events = SubscriptionEventCallbacks(
             incompatible_qos=self._interrupt_qos_mismatch, use_default_callbacks=False)
-        interrupts = self._interrupt_group
         for msg_type, topic, callback, qos, events, group in (
-                (String, '~/prompt', self._prompt_callback, COMMAND_QOS, None, state),
+                (String, '~/prompt', self._prompt_callback, COMMAND_QOS, None, ordered),
                 (Interrupt, '~/interrupt', self._interrupt_callback, INTERRUPT_QOS,
-                 interrupt_events, interrupts),
-                (Empty, '~/reset', self._reset_callback, COMMAND_QOS, None, interrupts),
+                 interrupt_events, ordered),
+                (Empty, '~/reset', self._reset_callback, COMMAND_QOS, None, ordered),
                 (JointState, '~/observation', self._joint_state_callback, OBSERVATION_QOS,
                  None, state),
                 (Float32MultiArray, '~/observation_vector', self._vector_callback,
@@ -179,7 +180,8 @@ class FlashRTNode(LifecycleNode):
             session = Session(runtime, self._param('mode'), self._param, self.outputs)
         except Exception as exc:  # FlashRTError, or an import/OS error loading the model
             self.get_logger().error(f'configure failed: {exc}; fix the parameters and configure '
-                                    'again (lifecycle ~/change_state)')
+                                    'again (lifecycle ~/change_state), or restart the node '
+                                    'with them if they are read-only')
             if runtime is not None:
                 runtime.close()
             return TransitionCallbackReturn.FAILURE
@@ -193,7 +195,7 @@ class FlashRTNode(LifecycleNode):
                                                     callback_group=self._state_group)
         session.turns.tune_switch_interval = self.tune_switch_interval
         session.turns.start()
-        self._session = session
+        self._session, self._goal_turns = session, session.turns
         return super().on_configure(state)
 
     def on_activate(self, state):
@@ -491,8 +493,7 @@ class FlashRTNode(LifecycleNode):
 
     # ---- generation: the action and ~/prompt -------------------------------------------
 
-    def _reserve(self, source):
-        session = self._session
+    def _reserve(self, session, source):
         refusal = (session.reserve_turn(source) if session is not None
                    else self.not_active_message())
         if refusal:
@@ -500,7 +501,7 @@ class FlashRTNode(LifecycleNode):
         return not refusal
 
     def _goal_callback(self, goal_request):
-        return GoalResponse.ACCEPT if self._reserve('goal') else GoalResponse.REJECT
+        return GoalResponse.ACCEPT if self._reserve(self._session, 'goal') else GoalResponse.REJECT
 
     def _handle_accepted_callback(self, goal_handle):
         # The goal stays ACCEPTED (not EXECUTING) while queued; the generation thread has
@@ -521,8 +522,7 @@ class FlashRTNode(LifecycleNode):
     def _execute_callback(self, goal_handle):
         """Wait for the generation thread to finish this goal's turn; report the result."""
         key = bytes(goal_handle.goal_id.uuid)
-        session = self._session
-        turns = session.turns if session is not None else None
+        turns = self._goal_turns  # still there after a cleanup or shutdown ended the goal
         turn = turns.goal_turn(key) if turns is not None else None
         if turn is None:
             goal_handle.abort()
@@ -547,7 +547,7 @@ class FlashRTNode(LifecycleNode):
 
     def _prompt_callback(self, msg):
         session = self._session
-        if self._reserve('prompt'):
+        if self._reserve(session, 'prompt'):
             session.turns.enqueue(Turn(TurnRequest(prompt=msg.data)))
 
     # ---- diagnostics -----------------------------------------------------------------

@@ -15,9 +15,9 @@ from .messages import TRAJECTORY_FIELDS
 # Parameters that build the Runtime; a change takes effect at the next configure.
 RUNTIME_PARAMS = tuple(f.name for f in dataclasses.fields(RuntimeConfig))
 # Set at start-up only: a peer on the DDS domain must not point the node at another model
-# or directory, or change what it may hold.
+# or directory, change what it may hold, or unprotect the home capsule.
 READ_ONLY = ('model', 'device', 'capsule_dir', 'device_budget_bytes', 'host_budget_bytes',
-             'disk_budget_bytes')
+             'disk_budget_bytes', 'home_capsule', 'protect_home')
 # Each node keeps its disk capsules apart: {node} is its fully qualified name.
 DEFAULT_CAPSULE_DIR = '~/.cache/flashrt_ros/capsules/{node}'
 _RUNTIME_DEFAULTS = RuntimeConfig()

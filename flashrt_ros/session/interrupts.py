@@ -118,8 +118,19 @@ class Interrupts:
                 message += '; the interrupted turn did not end within interrupt_timeout'
         return info, message, at
 
-    def after_cancel(self):
-        """Apply interrupt_policy after a cancelled turn (generation thread); say what it did."""
+    def after_cancel(self, turn):
+        """
+        Apply interrupt_policy after a cancelled turn (generation thread); say what it did.
+
+        Under replace_lock: an interrupt or reset that replaced the state meanwhile wins, and
+        one that comes now waits, so the policy never undoes it.
+        """
+        with self._turns.replace_lock:
+            if turn.replaced_by:
+                return f'interrupt policy skipped: {turn.replaced_by} during the turn'
+            return self._apply_cancel_policy()
+
+    def _apply_cancel_policy(self):
         t0 = time.perf_counter()
         policy = self._param('interrupt_policy')
         name, tier, nbytes, success = '', '', 0, True

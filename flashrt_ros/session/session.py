@@ -31,7 +31,7 @@ class Session:
         self._out = outputs
         self._param = param
         self.turns = TurnScheduler(runtime, param, outputs, self.mode.run_turn,
-                                   lambda: self.interrupts.after_cancel())
+                                   lambda turn: self.interrupts.after_cancel(turn))
         self.interrupts = Interrupts(runtime, self.turns, self.mode, param, outputs)
         self.home_ready = False
 
@@ -67,8 +67,9 @@ class Session:
             return stopped
 
     def close(self):
-        """End the generation thread and free the runtime (disk capsules stay)."""
+        """End queued turns and the generation thread; free the runtime (disk capsules stay)."""
         self.turns.set_active(False)
+        self.turns.drop_queued('the node is closing')
         self.turns.stop()
         self.runtime.close()
 
@@ -83,7 +84,8 @@ class Session:
 
     def fork(self, source, target, tier=None):
         """Copy capsule `source` to `target` (refused onto a protected home capsule)."""
-        self._check_not_home(target, 'replace')
+        if source != target:  # the runtime says why a copy onto itself is refused
+            self._check_not_home(target, 'replace')
         return self.runtime.fork(source, target, tier)
 
     def delete(self, name):
@@ -101,14 +103,14 @@ class Session:
 
     def restore(self, name, mode='full'):
         """Restore between turns (BusyError while one runs); inputs before it are dropped."""
-        with self.turns.exclusive(BUSY_MESSAGE):
+        with self.turns.exclusive(BUSY_MESSAGE), self.mode.quiet():
             info = self.runtime.restore(name, mode)
             self.mode.forget_inputs()
         return info
 
     def rollback(self, boundaries):
         """Roll back between turns (BusyError while one runs); inputs before it are dropped."""
-        with self.turns.exclusive(BUSY_MESSAGE):
+        with self.turns.exclusive(BUSY_MESSAGE), self.mode.quiet():
             info = self.runtime.rollback(boundaries)
             self.mode.forget_inputs()
         return info

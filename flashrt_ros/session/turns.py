@@ -122,7 +122,7 @@ class TurnScheduler:
         """
         Schedule turns over `runtime`.
 
-        run_turn(turn, should_stop) runs a turn's generation (the mode's); after_cancel()
+        run_turn(turn, should_stop) runs a turn's generation (the mode's); after_cancel(turn)
         applies the cancel policy to a cancelled turn and returns what it did.
         """
         self._rt = runtime
@@ -244,7 +244,8 @@ class TurnScheduler:
         turn.result = TurnResult(success=success, message=message,
                                  stop_reason='interrupted' if success else 'error',
                                  position=self._rt.position)
-        turn.state = TurnState.DONE
+        with self._cv:
+            turn.state = TurnState.DONE
         turn.done.set()
         if turn.handle is not None:
             self._out.start_goal(turn)  # its caller then reports the result
@@ -376,6 +377,8 @@ class TurnScheduler:
         res = self._run_generation(turn, self.should_stop)
         if res is None:  # it failed and said why (turn.result, turn.final)
             return
+        if turn.final is None:  # every turn ends with a final chunk, even an empty one
+            turn.final = [], '', res.stop_reason
         success, message = True, f'{len(res.token_ids)} tokens, stop reason {res.stop_reason}'
         if turn.request.save_as:
             saved, note = self.save_as(turn)
@@ -384,7 +387,7 @@ class TurnScheduler:
             turn.state = TurnState.SETTLED
             cancelled = turn.cancel_requested
         if cancelled:
-            message += '; cancelled, ' + self._after_cancel()
+            message += '; cancelled, ' + self._after_cancel(turn)
         turn.result = TurnResult(
             success=success, message=message, text=res.text, token_ids=list(res.token_ids),
             stop_reason=res.stop_reason, time_to_first_token_ms=res.ttft_s * 1e3,

@@ -16,7 +16,7 @@ LONG_PROMPT = 'Describe the room.'  # runs to max_new_tokens from home (no early
 SETTINGS = {
     'goal_policy': 'reject', 'interrupt_policy': 'stop', 'home_capsule': HOME,
     'interrupt_timeout': 5.0, 'max_new_tokens': 16, 'token_chunk': 1, 'stop_strings': [],
-    'stepping': 'observation', 'control_rate': 50.0,
+    'stepping': 'observation', 'control_rate': 50.0, 'protect_home': True,
 }
 
 

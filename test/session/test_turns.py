@@ -2,7 +2,7 @@
 
 import threading
 
-from flashrt_ros.runtime import BusyError
+from flashrt_ros.runtime import BusyError, InvalidRequestError
 from flashrt_ros.session import BUSY_MESSAGE, Turn, TurnRequest, TurnState
 import pytest
 from session_harness import LONG_PROMPT
@@ -221,3 +221,27 @@ def test_a_failing_turn_reports_an_internal_error_and_the_thread_goes_on(make_se
     assert any(level == 'error' for level, _ in out.logs)
     nxt = _start(session, _turn('Go.', max_new_tokens=2))
     assert nxt.done.wait(10.0) and nxt.result.success
+
+
+def test_the_home_capsule_is_protected_unless_allowed(make_session, settings):
+    session, _ = make_session()
+    session.snapshot('mine')
+    for call in (lambda: session.snapshot('home'), lambda: session.delete('home'),
+                 lambda: session.fork('mine', 'home')):
+        with pytest.raises(InvalidRequestError, match='protect_home'):
+            call()
+    settings['protect_home'] = False
+    session.runtime.prefill('Something else.')
+    assert session.snapshot('home').position == session.runtime.position
+
+
+def test_the_cancel_policy_never_undoes_an_interrupt(make_session, settings):
+    """A cancelled turn whose state an interrupt replaced skips its cancel policy."""
+    settings['interrupt_policy'] = 'rollback'
+    session, _ = make_session()
+    digest = session.runtime.state_digest()
+    turn = _turn()
+    turn.replaced_by = 'a reset restored home'
+    note = session.interrupts.after_cancel(turn)
+    assert note == 'interrupt policy skipped: a reset restored home during the turn'
+    assert session.runtime.state_digest() == digest
