@@ -33,7 +33,7 @@ from .config import RuntimeConfig, TIERS
 from .engine import Engine, PolicyEngine
 from .errors import BusyError, CapsuleNotFoundError, ConfigError, FlashRTError
 from .errors import InvalidNameError, InvalidRequestError
-from .generation import Generation, prefill_ids, prompt_ids, Sampling
+from .generation import check_fits, Generation, prefill_ids, prompt_ids, Sampling
 from .models.base import PolicyAdapter, PolicySpec, StateAdapter
 from .models.hf import load_adapter
 from .models.policy import is_policy_model, load_policy
@@ -258,6 +258,8 @@ class Runtime:
         with self._lock:
             self._check_idle()
             ids = None if prompt is None else self._prompt_ids(prompt)
+            if ids is not None:
+                check_fits(self, ids)  # refused now, not reported as a turn that ended
             if ids is None and self.cursor.position == 0 and self.cursor.pending is None:
                 raise InvalidRequestError(
                     'nothing to continue from: the state is empty; pass a prompt'
@@ -273,8 +275,9 @@ class Runtime:
 
         A generation between steps (nobody iterating it now: left after a `break`, or never
         started) ends here and now, so the runtime is free when this returns; one in the
-        middle of a step ends when the step does, and so does one met while another call
-        (a snapshot, a digest) holds the runtime: this never waits. Policy mode: drop the
+        middle of a step ends when the step does (a long prompt's prefill at its next chunk
+        boundary: generation.py), and so does one met while another call (a snapshot, a
+        digest) holds the runtime: this never waits. Policy mode: drop the
         pending action queue (waits for a running act() to finish).
         """
         if self.is_policy and not self._closed:
