@@ -107,7 +107,7 @@ class Runtime:
             self.engine = PolicyEngine(adapter, self.arena.views)
         else:
             self.engine = Engine(adapter, self.arena.views['logits'], config.cuda_graphs)
-        self.ring = RollbackRing(config.rollback_depth)
+        self.ring = RollbackRing(config.rollback_depth, config.ring_budget_bytes)
         self.cursor = Cursor()
         self.codec = StateCodec(
             self.arena, adapter, self.generator, self.cursor,
@@ -450,7 +450,7 @@ class Runtime:
         if boundaries >= len(self.ring):
             raise InvalidRequestError(
                 f'only {len(self.ring) - 1} earlier boundaries are kept; '
-                f'raise rollback_depth to go further back'
+                f'raise rollback_depth (or ring_budget_bytes) to go further back'
             )
 
     def _rollback_locked(self, boundaries: int, t0: float, from_newest: bool) -> CapsuleInfo:
@@ -527,7 +527,8 @@ class Runtime:
             tiers={t: TierStats(self.store.count(t), self.store.used_bytes(t),
                                 self.store.budgets[t]) for t in TIERS},
             rollback_ring=RingStats(len(ring), ring.nbytes(), ring.depth, len(ring.retired),
-                                    ring.retired_nbytes(self.store.memory_capsules())),
+                                    ring.retired_nbytes(self.store.memory_capsules()),
+                                    ring.budget),
             last_restore_s=self._last_restore_s,
             last_restore_copied_bytes=self.codec.last_copied_bytes,
             blob_pool_idle_bytes=0 if self._pool is None else self._pool.idle_bytes,
