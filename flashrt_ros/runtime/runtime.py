@@ -180,11 +180,15 @@ class Runtime:
     # ---- lifecycle --------------------------------------------------------------------
 
     def warmup(self) -> None:
-        """Run throwaway steps (and capture the CUDA graph on CUDA); live state unchanged."""
+        """
+        Run throwaway steps (and capture the CUDA graph on CUDA); live state unchanged.
+
+        The live state is saved as a capsule of its used prefix, not as a second arena: the
+        extra memory is the used state at most, whatever max_seq_len.
+        """
         with self._lock:
             self._check_idle()
-            saved = self.arena.storage.clone()
-            meta = self.adapter.export_meta()
+            saved = self.codec.capture('warmup', 'device')
             try:
                 self.arena.zero_()
                 self.adapter.reset_meta()
@@ -199,9 +203,8 @@ class Runtime:
                     self.arena.zero_()
                     self.engine.capture()
             finally:
-                self.arena.storage.copy_(saved)
-                self.arena.begin_epoch()  # the old rows are back, but the lineage is not
-                self.adapter.import_meta(meta)
+                self.arena.zero_()  # whatever rows the throwaway steps wrote
+                self.codec.apply(saved)  # the prefix is back: the lineage goes on
                 if self._cuda:
                     torch.cuda.synchronize(self.device)
 

@@ -1,8 +1,9 @@
 """Memory the runtime holds outside the capsule tiers: the rollback ring and warm-up."""
 
-from conftest import PROMPT
+from conftest import greedy, PROMPT
 from flashrt_ros.runtime import ConfigError, InvalidRequestError, RuntimeConfig
 import pytest
+import torch
 
 
 def test_the_ring_drops_its_oldest_entries_to_stay_within_its_budget(make_runtime):
@@ -42,3 +43,28 @@ def test_ring_budget_is_validated_and_0_is_unlimited(make_runtime):
     for _ in range(8):
         rt.prefill([4] * 10)
     assert len(rt.ring) == 6 and rt.stats().rollback_ring.budget == 0
+
+
+def test_warmup_saves_the_used_state_not_a_second_arena(make_runtime):
+    rt = make_runtime(max_seq_len=4096)
+    greedy(rt, 3, prompt=PROMPT)  # mid-conversation: a pending token, rows in use
+    digest, position = rt.state_digest(), rt.position
+    saved = []
+    capture = rt.codec.capture
+    rt.codec.capture = lambda *a, **kw: saved.append(capture(*a, **kw)) or saved[-1]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        rt.warmup()
+    del rt.codec.capture
+    assert rt.state_digest() == digest
+    assert [c.nbytes for c in saved] == [rt.arena.prefix_nbytes(position)]
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert largest < rt.arena.nbytes // 8  # no copy of the whole arena (4096 rows)
+
+
+def test_warmup_of_a_policy_leaves_its_state_and_queue(make_runtime):
+    rt = make_runtime('builtin:tiny-policy')
+    rt.act(torch.linspace(-1, 1, rt.policy_spec.obs_dim))
+    digest = rt.state_digest()
+    rt.warmup()
+    assert rt.state_digest() == digest and len(rt.pending_actions()) == rt.policy_spec.horizon
