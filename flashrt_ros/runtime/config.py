@@ -29,6 +29,7 @@ class RuntimeConfig:
     eviction: str = 'refuse'  # "refuse" | "lru" (lru never evicts pinned capsules)
     cuda_graphs: bool = True  # ignored on CPU
     rollback_depth: int = 8  # committed boundaries kept in the rollback ring
+    ring_budget_bytes: int = 256 << 20  # the ring's memory, oldest dropped first; 0 = unlimited
     seed: int = 0  # initial sampler seed (and reset() seed)
 
     def __post_init__(self) -> None:
@@ -53,6 +54,7 @@ class RuntimeConfig:
             raise ConfigError('capsule_dir must be a non-empty directory path')
         _check_int('max_seq_len', self.max_seq_len, minimum=8)
         _check_int('rollback_depth', self.rollback_depth, minimum=0)
+        _check_int('ring_budget_bytes', self.ring_budget_bytes, minimum=0)
         _check_int('seed', self.seed, minimum=0)
         for tier in TIERS:
             _check_int(f'{tier}_budget_bytes', getattr(self, f'{tier}_budget_bytes'), minimum=0)

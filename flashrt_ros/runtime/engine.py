@@ -51,13 +51,21 @@ class Engine:
                 StateSpec('tokens', 'tokens', (max_seq_len,), torch.int32, seq_dim=0)]
 
     @torch.inference_mode()
-    def prefill(self, ids: list[int], position: int) -> None:
-        """Consume ids at `position` (chunked); leaves the next-token logits in the arena."""
+    def prefill(self, ids: list[int], position: int, stop=None) -> int:
+        """
+        Consume ids at `position` in chunks; return how many were consumed.
+
+        stop(): asked between chunks; when true the rest is left out, and the state is
+        exactly that of a prefill of the chunks run (next-token logits included).
+        """
         t = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, T]
-        for start in range(0, t.shape[1], PREFILL_CHUNK):
-            chunk = t[:, start:start + PREFILL_CHUNK]  # [1, <=C]
-            out = self.adapter.forward(chunk, kv_len=position + start + chunk.shape[1])  # [1, V]
+        end = 0
+        while end < t.shape[1] and not (end and stop is not None and stop()):
+            chunk = t[:, end:end + PREFILL_CHUNK]  # [1, <=C]
+            end += chunk.shape[1]
+            out = self.adapter.forward(chunk, kv_len=position + end)  # [1, V]
         self.logits.copy_(out[0])
+        return end
 
     @torch.inference_mode()
     def _step(self, kv_len: int | None = None) -> None:

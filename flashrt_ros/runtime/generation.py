@@ -5,7 +5,10 @@ A turn feeds its prompt (or continues from the pending token), then each step fe
 token sampled last, samples the next and hands out the text it adds, decoded a short window
 at a time. It ends on max_new_tokens, an end-of-sequence token, a stop string, max_seq_len
 or an interrupt; its end, like the end of its prompt, is a committed boundary. A
-restore/rollback may end it in the middle of a step (preemption.py).
+restore/rollback may end it in the middle of a step (preemption.py). An interrupt during a
+long prompt stops the prefill at the next chunk boundary (engine.PREFILL_CHUNK): the chunks
+run are the turn's prompt, committed like a whole one (result.prompt_consumed says how many
+tokens), so the state is that of the shorter prompt and rollback counts as after any turn.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ class GenerationResult:
     ttft_s: float
     tokens_per_s: float
     prompt_tokens: int
+    # Prompt tokens in the state: fewer than prompt_tokens when an interrupt cut the prefill
+    # at a chunk boundary (stop_reason 'interrupted'; the state is that shorter prompt's).
+    prompt_consumed: int = 0
 
 
 @dataclass
@@ -88,25 +94,37 @@ def prompt_ids(tokenizer, vocab_size: int, prompt: str | Sequence[int]) -> list[
     return ids
 
 
-def prefill_ids(rt, ids: list[int]) -> None:
-    """Consume ids (after the pending token, if any) into the state (lock held)."""
+def check_fits(rt, ids: list[int]) -> None:
+    """Raise InvalidRequestError when ids (after the pending token) overflow max_seq_len."""
     cursor = rt.cursor
-    if cursor.pending is not None:
-        ids = [cursor.pending] + ids  # the token sampled last turn has not been consumed yet
-    if cursor.position + len(ids) > rt.config.max_seq_len:
+    n = len(ids) + (cursor.pending is not None)
+    if cursor.position + n > rt.config.max_seq_len:
         raise InvalidRequestError(
-            f'prompt of {len(ids)} tokens does not fit: position {cursor.position}, '
-            f'max_seq_len {rt.config.max_seq_len}; reset() or raise max_seq_len'
+            f'prompt of {len(ids)} tokens does not fit: position {cursor.position}'
+            f"{' + 1 pending token' if cursor.pending is not None else ''}, max_seq_len "
+            f'{rt.config.max_seq_len}; reset(), roll back or raise max_seq_len'
         )
+
+
+def prefill_ids(rt, ids: list[int], stop=None) -> int:
+    """
+    Consume ids (after the pending token, if any) into the state (lock held).
+
+    stop(): see Engine.prefill; returns how many of `ids` were consumed (all unless stopped).
+    """
+    check_fits(rt, ids)
+    cursor = rt.cursor
+    pending = cursor.pending is not None
+    if pending:
+        ids = [cursor.pending] + ids  # the token sampled last turn has not been consumed yet
     cursor.extent = max(cursor.extent, cursor.position + len(ids))
     with guarded_forward(rt):
-        rt.engine.prefill(ids, cursor.position)
+        n = rt.engine.prefill(ids, cursor.position, stop)
     tokens = rt.arena.views['tokens']
-    tokens[cursor.position:cursor.position + len(ids)].copy_(
-        torch.tensor(ids, dtype=torch.int32)
-    )
-    cursor.position += len(ids)
+    tokens[cursor.position:cursor.position + n].copy_(torch.tensor(ids[:n], dtype=torch.int32))
+    cursor.position += n
     cursor.pending = None
+    return n - pending
 
 
 def _feed(rt, token: int) -> None:
@@ -128,6 +146,7 @@ class Generation:
         self.result: GenerationResult | None = None
         self.token_ids: list[int] = []
         self.started = False
+        self.prompt_consumed = 0
         self.t_start = 0.0
         self.t_first = 0.0
         # Incremental detokenization: the text of token_ids[prefix:] minus that of
@@ -175,7 +194,8 @@ class Generation:
             if self.prompt_ids is not None:
                 try:
                     with abortable_forward(rt):
-                        prefill_ids(rt, self.prompt_ids)
+                        self.prompt_consumed = prefill_ids(rt, self.prompt_ids,
+                                                           rt._interrupt.is_set)
                 except FlashRTError:
                     self._release()
                     raise
@@ -259,6 +279,7 @@ class Generation:
                 (self.t_first - self.t_start) if n else 0.0,
                 tps,
                 len(self.prompt_ids or ()),
+                self.prompt_consumed,
             )
             if tps > 0:
                 rt._decode_tps = tps

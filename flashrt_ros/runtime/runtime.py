@@ -33,7 +33,7 @@ from .config import RuntimeConfig, TIERS
 from .engine import Engine, PolicyEngine
 from .errors import BusyError, CapsuleNotFoundError, ConfigError, FlashRTError
 from .errors import InvalidNameError, InvalidRequestError
-from .generation import Generation, prefill_ids, prompt_ids, Sampling
+from .generation import check_fits, Generation, prefill_ids, prompt_ids, Sampling
 from .models.base import PolicyAdapter, PolicySpec, StateAdapter
 from .models.hf import load_adapter
 from .models.policy import is_policy_model, load_policy
@@ -107,7 +107,7 @@ class Runtime:
             self.engine = PolicyEngine(adapter, self.arena.views)
         else:
             self.engine = Engine(adapter, self.arena.views['logits'], config.cuda_graphs)
-        self.ring = RollbackRing(config.rollback_depth)
+        self.ring = RollbackRing(config.rollback_depth, config.ring_budget_bytes)
         self.cursor = Cursor()
         self.codec = StateCodec(
             self.arena, adapter, self.generator, self.cursor,
@@ -180,11 +180,15 @@ class Runtime:
     # ---- lifecycle --------------------------------------------------------------------
 
     def warmup(self) -> None:
-        """Run throwaway steps (and capture the CUDA graph on CUDA); live state unchanged."""
+        """
+        Run throwaway steps (and capture the CUDA graph on CUDA); live state unchanged.
+
+        The live state is saved as a capsule of its used prefix, not as a second arena: the
+        extra memory is the used state at most, whatever max_seq_len.
+        """
         with self._lock:
             self._check_idle()
-            saved = self.arena.storage.clone()
-            meta = self.adapter.export_meta()
+            saved = self.codec.capture('warmup', 'device')
             try:
                 self.arena.zero_()
                 self.adapter.reset_meta()
@@ -199,9 +203,8 @@ class Runtime:
                     self.arena.zero_()
                     self.engine.capture()
             finally:
-                self.arena.storage.copy_(saved)
-                self.arena.begin_epoch()  # the old rows are back, but the lineage is not
-                self.adapter.import_meta(meta)
+                self.arena.zero_()  # whatever rows the throwaway steps wrote
+                self.codec.apply(saved)  # the prefix is back: the lineage goes on
                 if self._cuda:
                     torch.cuda.synchronize(self.device)
 
@@ -258,6 +261,8 @@ class Runtime:
         with self._lock:
             self._check_idle()
             ids = None if prompt is None else self._prompt_ids(prompt)
+            if ids is not None:
+                check_fits(self, ids)  # refused now, not reported as a turn that ended
             if ids is None and self.cursor.position == 0 and self.cursor.pending is None:
                 raise InvalidRequestError(
                     'nothing to continue from: the state is empty; pass a prompt'
@@ -273,8 +278,9 @@ class Runtime:
 
         A generation between steps (nobody iterating it now: left after a `break`, or never
         started) ends here and now, so the runtime is free when this returns; one in the
-        middle of a step ends when the step does, and so does one met while another call
-        (a snapshot, a digest) holds the runtime: this never waits. Policy mode: drop the
+        middle of a step ends when the step does (a long prompt's prefill at its next chunk
+        boundary: generation.py), and so does one met while another call (a snapshot, a
+        digest) holds the runtime: this never waits. Policy mode: drop the
         pending action queue (waits for a running act() to finish).
         """
         if self.is_policy and not self._closed:
@@ -447,7 +453,7 @@ class Runtime:
         if boundaries >= len(self.ring):
             raise InvalidRequestError(
                 f'only {len(self.ring) - 1} earlier boundaries are kept; '
-                f'raise rollback_depth to go further back'
+                f'raise rollback_depth (or ring_budget_bytes) to go further back'
             )
 
     def _rollback_locked(self, boundaries: int, t0: float, from_newest: bool) -> CapsuleInfo:
@@ -524,7 +530,8 @@ class Runtime:
             tiers={t: TierStats(self.store.count(t), self.store.used_bytes(t),
                                 self.store.budgets[t]) for t in TIERS},
             rollback_ring=RingStats(len(ring), ring.nbytes(), ring.depth, len(ring.retired),
-                                    ring.retired_nbytes(self.store.memory_capsules())),
+                                    ring.retired_nbytes(self.store.memory_capsules()),
+                                    ring.budget),
             last_restore_s=self._last_restore_s,
             last_restore_copied_bytes=self.codec.last_copied_bytes,
             blob_pool_idle_bytes=0 if self._pool is None else self._pool.idle_bytes,

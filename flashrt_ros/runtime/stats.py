@@ -22,6 +22,7 @@ class RingStats:
     # some may still be named capsules or ring entries too.
     retired_count: int
     retired_bytes: int  # bytes only the retired entries keep
+    budget: int = 0  # ring_budget_bytes; 0 = unlimited
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import time
 
 from conftest import greedy, PROMPT
 from flashrt_ros.runtime import BusyError, InvalidNameError, InvalidRequestError, TokenEvent
+from flashrt_ros.runtime import engine
 import pytest
 
 
@@ -387,3 +388,54 @@ def test_streamed_text_is_decoded_incrementally_and_adds_up(make_runtime, tmp_pa
     pieces = [event.text for event in gen]
     assert gen.result.stop_reason == 'stop_string' and stop in ''.join(pieces)
     assert gen.result.text == ''.join(pieces)[:''.join(pieces).find(stop)]
+
+
+@pytest.mark.parametrize('pending', [False, True], ids=['fresh', 'after-a-turn'])
+def test_interrupt_stops_a_long_prefill_at_the_next_chunk(make_runtime, monkeypatch, pending):
+    monkeypatch.setattr(engine, 'PREFILL_CHUNK', 8)
+    ids = [(7 * i + 3) % 200 for i in range(40)]  # five chunks
+    rt, ref = make_runtime(), make_runtime()
+    if pending:  # the pending token is the first of the first chunk
+        for r in (rt, ref):
+            greedy(r, 3, prompt=PROMPT[:12])
+    start = rt.position
+    forward, chunks = rt.adapter.forward, []
+
+    def forward_then_interrupt(x, **kw):
+        out = forward(x, **kw)
+        chunks.append(x.shape[1])
+        if len(chunks) == 1:  # a STOP from another thread while the first chunk ran
+            stopper = threading.Thread(target=rt.interrupt)
+            stopper.start()
+            stopper.join(5)
+        return out
+
+    rt.adapter.forward = forward_then_interrupt
+    gen = rt.generate(prompt=ids, max_new_tokens=5, stop=(), eos=False)
+    assert list(gen) == []
+    del rt.adapter.forward
+    res = gen.result
+    assert chunks == [8] and res.stop_reason == 'interrupted' and not rt.generating
+    assert res.prompt_tokens == 40 and res.prompt_consumed == 8 - pending
+    # Exactly the state of a prefill of the chunk that ran, committed: rollback(1) lands
+    # on it (the end of the turn's prompt), rollback(2) on the boundary before the turn.
+    ref_boundary = ref.state_digest()
+    ref.prefill(ids[:8 - pending])
+    assert rt.position == ref.position == start + 8
+    assert rt.state_digest() == ref.state_digest()
+    assert rt.rollback(1).position == start + 8
+    assert rt.state_digest() == ref.state_digest()
+    assert rt.rollback(1).position == start and rt.state_digest() == ref_boundary
+
+
+def test_a_prompt_longer_than_max_seq_len_is_refused_by_generate(make_runtime):
+    rt = make_runtime(max_seq_len=32)
+    with pytest.raises(InvalidRequestError, match='prompt of 33 tokens does not fit'):
+        rt.generate(prompt=[5] * 33)
+    greedy(rt, 4, prompt=[5] * 10)  # leaves position 13 and a pending token
+    live = rt.state_digest()
+    with pytest.raises(InvalidRequestError, match=r'position 13 \+ 1 pending token'):
+        rt.generate(prompt=[5] * 19)  # 13 + 1 + 19 > 32
+    assert rt.state_digest() == live and not rt.generating
+    gen = rt.generate(prompt=[5] * 18, max_new_tokens=4, stop=(), eos=False)  # fits exactly
+    assert len(list(gen)) == 1 and gen.result.stop_reason == 'max_seq_len'

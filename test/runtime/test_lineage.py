@@ -56,11 +56,17 @@ def test_sibling_branch_and_reset_copy_everything(make_runtime):
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
 
 
-@pytest.mark.parametrize('seed,device', [(0, 'cpu'), (1, 'cpu'), (2, 'cpu'),
-                                         pytest.param(3, 'cuda', marks=CUDA)])
+@pytest.mark.parametrize('seed,device,back', [(0, 'cpu', 1), (1, 'cpu', 1), (2, 'cpu', 1),
+                                              (4, 'cpu', 3), (5, 'cpu', 3),
+                                              pytest.param(3, 'cuda', 3, marks=CUDA)])
 def test_random_operations_match_a_runtime_that_always_copies_everything(
-        make_runtime, tmp_path, seed, device):
-    """Prefill, generate, snapshot (every tier), restore (full and kv_only), fork, rollback."""
+        make_runtime, tmp_path, seed, device, back):
+    """
+    Prefill, generate, snapshot (every tier), restore (full and kv_only), fork, rollback.
+
+    Rollbacks go back by up to `back` boundaries, to entries pushed before restores and
+    resets of other branches.
+    """
     fast = make_runtime(max_seq_len=160, rollback_depth=3, capsule_dir=str(tmp_path / 'a'),
                         device=device)
     slow = _full_copy_only(make_runtime(max_seq_len=160, rollback_depth=3, device=device,
@@ -85,6 +91,7 @@ def test_random_operations_match_a_runtime_that_always_copies_everything(
             args = (rng.choice(names), f'c{rng.randrange(4)}')
         elif op in ('restore', 'fork'):
             continue
+        depth = 1 if back == 1 else rng.randint(1, back)
         for rt in (fast, slow):
             if op == 'prefill':
                 rt.prefill(args[0])
@@ -98,7 +105,7 @@ def test_random_operations_match_a_runtime_that_always_copies_everything(
             elif op == 'rollback':
                 if len(rt.ring) < 2:
                     break
-                rt.rollback(1)
+                rt.rollback(min(depth, len(rt.ring) - 1))
             elif op == 'fork':
                 if args[0] != args[1]:
                     rt.fork(*args)

@@ -2,7 +2,10 @@
 The rollback ring: the last `rollback_depth` committed boundaries, newest last.
 
 A boundary is a device capsule OUTSIDE the user's device budget: the ring is the runtime's
-own undo history, bounded by rollback_depth x the used state. A restored device capsule goes
+own undo history, with its own budget (ring_budget_bytes): a push drops the oldest entries
+until the ring fits, but never the newest, the live state's own boundary (what a failed
+step goes back to), so the ring holds at most max(budget, one entry). Every entry counts in
+full, also one that shares its blob with a stored capsule. A restored device capsule goes
 on the ring by reference (capsules are immutable), so deleting it frees its memory only once
 it has left the ring; so does the device-side blob a full host restore copied from.
 
@@ -26,9 +29,10 @@ from .capsule import Capsule
 class RollbackRing(collections.deque):
     """Committed boundaries, oldest first (a deque of capsules), and the retired ones."""
 
-    def __init__(self, depth: int):
+    def __init__(self, depth: int, budget: int = 0):
         super().__init__(maxlen=max(depth, 1))
         self.depth = depth  # 0: no rollback; the ring then stays empty
+        self.budget = budget  # bytes; 0 = unlimited
         # A deque with maxlen: appending, dropping the oldest and clearing are each atomic,
         # so threads outside the step lock (delete_capsule, fork) may clear it.
         self.retired: collections.deque[Capsule] = collections.deque(maxlen=self.maxlen)
@@ -38,6 +42,11 @@ class RollbackRing(collections.deque):
         if len(self) == self.maxlen:
             self.retired.append(self[0])  # full: drops (frees) the oldest retired one
         self.append(entry)
+        if self.budget:
+            used = self.nbytes()
+            while used > self.budget and len(self) > 1:
+                used -= self[0].nbytes
+                self.retired.append(self.popleft())
 
     def retire_newest(self, n: int) -> None:
         """Take the n newest boundaries off the ring (a rollback past them)."""
