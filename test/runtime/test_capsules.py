@@ -446,6 +446,7 @@ def test_temp_files_a_killed_write_left_are_swept_at_start(make_runtime, tmp_pat
         'semi;colon',
         'sp ace',
         'trailing-newline\n',
+        'ab\x00cd',  # cut at the NUL by C code: 'ab'
         None,
         '@boundary-3',
     ],

@@ -34,7 +34,6 @@ def _files(directory):
             for p in sorted(directory.iterdir()) if p.is_symlink() or p.is_file()}
 
 
-
 def test_foreign_files_are_never_counted_evicted_deleted_read_or_replaced(make_runtime):
     rt = make_runtime()
     rt.prefill(PROMPT)
@@ -110,7 +109,7 @@ def test_a_link_under_a_capsule_name_is_never_followed(make_runtime, tmp_path):
     assert _files(directory) == before and _files(outside) == outside_before
 
 
-_READ_ONLY_CHILD = r'''
+_READ_ONLY_CHILD = r"""
 import json, sys
 from flashrt_ros.runtime import FlashRTError, Runtime, RuntimeConfig
 rt = Runtime(RuntimeConfig(model='builtin:tiny-hybrid', max_seq_len=128, rollback_depth=4,
@@ -139,7 +138,7 @@ for label, call in (('disk', lambda: rt.snapshot('new', tier='disk')),
         out[label] = 'raw ' + repr(exc)
 out['listed-after'] = sorted(i.name for i in rt.list_capsules())
 print(json.dumps(out))
-'''
+"""
 
 
 def test_a_read_only_capsule_dir_serves_restores_and_refuses_writes(make_runtime, tmp_path):
@@ -272,8 +271,7 @@ def _resign(path):
     path.write_bytes(save({'blob': blob}, metadata=meta))
 
 
-def test_with_a_capsule_key_only_capsules_written_with_it_are_restored(make_runtime, tmp_path,
-                                                                         monkeypatch):
+def test_with_a_capsule_key_only_its_capsules_are_restored(make_runtime, tmp_path, monkeypatch):
     key = _key_file(tmp_path, 'key')
     keyed = make_runtime(capsule_key_file=key)
     keyed.prefill(PROMPT)
@@ -290,13 +288,13 @@ def test_with_a_capsule_key_only_capsules_written_with_it_are_restored(make_runt
     other_key = make_runtime(capsule_key_file=_key_file(tmp_path, 'other'))
     live = other_key.state_digest()
     for rt, name in ((by_env, 'plain'), (other_key, 'keyed')):
-        with pytest.raises(CorruptCapsuleError, match='not written with this runtime'):
+        with pytest.raises(CorruptCapsuleError, match='not written with this key'):
             rt.restore(name)
     assert other_key.state_digest() == live
     path = keyed.config.capsule_path / 'keyed.safetensors'
     _resign(path)
     plain.restore('keyed')  # a forged capsule passes an unkeyed checksum...
-    with pytest.raises(CorruptCapsuleError, match='not written with this runtime'):
+    with pytest.raises(CorruptCapsuleError, match='not written with this key'):
         keyed.restore('keyed')  # ...but not the MAC
 
 

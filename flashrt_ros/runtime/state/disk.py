@@ -226,9 +226,9 @@ def read(name: str, path: Path, header_only: bool = False, key: bytes | None = N
         )
     if key is not None and not hmac.compare_digest(str(meta.get('mac', '')), mac(key, stored)):
         raise CorruptCapsuleError(
-            f'capsule {name!r} was not written with this runtime\'s capsule key (its MAC is '
-            'missing or wrong): refused; take a new snapshot, or restore it in a runtime '
-            'with the key that wrote it')
+            f'capsule {name!r} was not written with this key (capsule_key_file): its MAC '
+            'is missing or wrong, so it is refused; take a new snapshot, or restore it in a '
+            'runtime with the key that wrote it')
     cap.blob = blob
     return cap
 
@@ -293,12 +293,14 @@ class DiskIndex:
                         continue
                     if not fname.endswith(SUFFIX):
                         continue
-                    name = validate_name(fname[:-len(SUFFIX)])
+                    name = fname[:-len(SUFFIX)]
+                    old = self._entries.get(name)  # a known name is a valid one
+                    if old is None:
+                        validate_name(name)
                     st = item.stat(follow_symlinks=False)
                 except (InvalidNameError, OSError):
                     continue
                 key = _stat_key(st)
-                old = self._entries.get(name)
                 entries[name] = (old if old is not None and old.key == key
                                  else _load_entry(name, Path(item.path), st, key))
         self._entries, self.temp_bytes = entries, temp

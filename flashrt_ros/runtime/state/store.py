@@ -128,7 +128,7 @@ class CapsuleStore:
         if used - freed + nbytes > budget:
             raise BudgetExceededError(
                 f'{tier} tier is full of capsules lru may not evict ({used} of {budget} bytes: '
-                'pinned ones, on disk also unreadable ones, other models\' and temp files of '
+                'pinned ones, on disk also unreadable ones, other models and temp files of '
                 'writes in progress); delete or unpin some, or raise the budget'
             )
         return victims
