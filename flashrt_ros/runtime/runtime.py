@@ -529,6 +529,7 @@ class Runtime:
         """Sizes, tiers, the rollback ring and latency figures (RuntimeStats.to_dict: JSON)."""
         times = sorted(self._restore_times)
         closed, ring = self._closed, self.ring
+        usage, temp_bytes = self.store.usage()
         return RuntimeStats(
             model=self.config.model,
             family='' if closed else self.adapter.family,
@@ -536,8 +537,7 @@ class Runtime:
             dtype=self.config.dtype,
             state_nbytes=0 if closed else self.state_nbytes,
             position=self.cursor.position,
-            tiers={t: TierStats(self.store.count(t), self.store.used_bytes(t),
-                                self.store.budgets[t]) for t in TIERS},
+            tiers={t: TierStats(*usage[t], self.store.budgets[t]) for t in TIERS},
             rollback_ring=RingStats(len(ring), ring.nbytes(), ring.depth, len(ring.retired),
                                     ring.retired_nbytes(self.store.memory_capsules())),
             last_restore_s=self._last_restore_s,
@@ -549,5 +549,5 @@ class Runtime:
             cuda_graph_note=None if closed else self.engine.graph_error,
             cuda_graph_replays=0 if closed else self.engine.replays,
             control_step_s=self._control_step_s if self.is_policy else None,
-            disk_temp_bytes=self.store.temp_bytes(),
+            disk_temp_bytes=temp_bytes,
         )

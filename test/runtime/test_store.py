@@ -39,18 +39,19 @@ def test_foreign_files_are_never_counted_evicted_deleted_read_or_replaced(make_r
     rt.prefill(PROMPT)
     size = rt.snapshot('mine', tier='disk').nbytes
     directory = rt.config.capsule_path
-    # A model checkpoint, a file that is no safetensors at all, and a directory.
+    # A model checkpoint, a file that is no safetensors at all, a directory and a FIFO.
     (directory / 'model.safetensors').write_bytes(
         save({'w': torch.ones(size)}, metadata={'format': 'pt'}))
     (directory / 'junk.safetensors').write_bytes(b'not a capsule')
     (directory / 'dir.safetensors').mkdir()
+    os.mkfifo(directory / 'fifo.safetensors')  # opening it for reading must not block
     before = _files(directory)
     assert rt.stats().tiers['disk'].bytes_used == size
     assert rt.stats().tiers['disk'].count == 1
     foreign, unreadable = [], []
     assert [i.name for i in rt.list_capsules(foreign=foreign, unreadable=unreadable)] == ['mine']
-    assert sorted(foreign) == ['dir', 'junk', 'model'] and unreadable == []
-    for name in ('model', 'junk', 'dir'):
+    assert sorted(foreign) == ['dir', 'fifo', 'junk', 'model'] and unreadable == []
+    for name in ('model', 'junk', 'dir', 'fifo'):
         for call in (lambda: rt.delete_capsule(name), lambda: rt.restore(name),
                      lambda: rt.fork(name, 'copy'), lambda: rt.snapshot(name),
                      lambda: rt.snapshot(name, tier='disk'), lambda: rt.verify_capsule(name)):

@@ -41,7 +41,8 @@ UNLOCKED_TEMP_S = 60.0
 TEMP_MARK = '.w-'  # in our temp files' names: .<name>.w-XXXXXXXX.tmp
 MAX_HEADER = 64 << 20  # bytes of safetensors header JSON read at most
 READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
-_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+# No link is followed; O_NONBLOCK: a FIFO planted under a capsule's name does not block.
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
 class NotACapsuleError(CapsuleNotFoundError):

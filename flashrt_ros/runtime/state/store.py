@@ -64,24 +64,17 @@ class CapsuleStore:
         """Capsule files of ours (any model, readable or not); foreign files left out."""
         return {n: e for n, e in self.index.scan().items() if e.kind != 'foreign'}
 
-    def used_bytes(self, tier: str) -> int:
+    def usage(self) -> tuple[dict[str, tuple[int, int]], int]:
+        """Return tier -> (capsules, bytes used) and the temp files' bytes, from one scan."""
         with self._lock:
-            if tier == 'disk':
-                files = self._ours_on_disk()
-                return sum(e.size for e in files.values()) + self.index.temp_bytes
-            return sum(c.nbytes for c in self._mem.values() if c.tier == tier)
-
-    def count(self, tier: str) -> int:
-        with self._lock:
-            if tier == 'disk':
-                return len(self._ours_on_disk())
-            return sum(1 for c in self._mem.values() if c.tier == tier)
-
-    def temp_bytes(self) -> int:
-        """Bytes of temp files in capsule_dir (writes in progress or left by killed ones)."""
-        with self._lock:
-            self.index.scan()
-            return self.index.temp_bytes
+            out = {tier: (0, 0) for tier in self.budgets}
+            for c in self._mem.values():
+                count, nbytes = out[c.tier]
+                out[c.tier] = (count + 1, nbytes + c.nbytes)
+            files = self._ours_on_disk()
+            temp = self.index.temp_bytes
+            out['disk'] = (len(files), sum(e.size for e in files.values()) + temp)
+            return out, temp
 
     def _make_room(self, tier: str, nbytes: int, replacing: str) -> list[str]:
         """Names to evict so nbytes fit in tier (replacing `replacing`); raises if impossible."""
