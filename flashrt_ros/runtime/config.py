@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+import os
 from pathlib import Path
 import re
 from typing import Any
@@ -13,6 +14,8 @@ from .errors import ConfigError
 DTYPES = ('float32', 'bfloat16', 'float16')
 EVICTION_POLICIES = ('refuse', 'lru')
 TIERS = ('device', 'host', 'disk')  # capsule tiers; each has a <tier>_budget_bytes field
+KEY_FILE_ENV = 'FLASHRT_CAPSULE_KEY_FILE'  # the capsule key file when capsule_key_file is ''
+MIN_KEY_BYTES = 16
 _DEVICE_RE = re.compile(r'^(cpu|cuda|cuda:\d+)$')
 
 
@@ -31,6 +34,9 @@ class RuntimeConfig:
     rollback_depth: int = 8  # committed boundaries kept in the rollback ring
     ring_budget_bytes: int = 256 << 20  # the ring's memory, oldest dropped first; 0 = unlimited
     seed: int = 0  # initial sampler seed (and reset() seed)
+    # A file holding the capsule key ('' = $FLASHRT_CAPSULE_KEY_FILE, or none): disk
+    # capsules carry a MAC under it, and files without a valid one are refused.
+    capsule_key_file: str = ''
 
     def __post_init__(self) -> None:
         self.validate()
@@ -52,6 +58,8 @@ class RuntimeConfig:
             raise ConfigError('cuda_graphs must be true or false')
         if not isinstance(self.capsule_dir, str) or not self.capsule_dir:
             raise ConfigError('capsule_dir must be a non-empty directory path')
+        if not isinstance(self.capsule_key_file, str):
+            raise ConfigError("capsule_key_file must be a file path, or '' for none")
         _check_int('max_seq_len', self.max_seq_len, minimum=8)
         _check_int('rollback_depth', self.rollback_depth, minimum=0)
         _check_int('ring_budget_bytes', self.ring_budget_bytes, minimum=0)
@@ -67,6 +75,21 @@ class RuntimeConfig:
     @property
     def capsule_path(self) -> Path:
         return Path(self.capsule_dir).expanduser()
+
+    def capsule_key(self) -> bytes | None:
+        """Return the capsule key (capsule_key_file, else $FLASHRT_CAPSULE_KEY_FILE) or None."""
+        path = self.capsule_key_file or os.environ.get(KEY_FILE_ENV, '')
+        if not path:
+            return None
+        try:
+            key = Path(path).expanduser().read_bytes()
+        except OSError as exc:
+            raise ConfigError(f'cannot read the capsule key file {path!r}: {exc}') from exc
+        if len(key) < MIN_KEY_BYTES:
+            raise ConfigError(
+                f'capsule key file {path!r} holds {len(key)} bytes; use at least '
+                f'{MIN_KEY_BYTES} random bytes (head -c 32 /dev/urandom > {path})')
+        return key
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> 'RuntimeConfig':

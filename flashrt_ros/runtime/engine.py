@@ -14,6 +14,8 @@ the chunk's queue of not-yet-executed actions kept in the arena. It runs eagerly
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .errors import FlashRTError, InvalidRequestError
@@ -30,6 +32,8 @@ class Engine:
     def __init__(self, adapter: CausalLMAdapter, logits: torch.Tensor, cuda_graphs: bool):
         self.adapter = adapter
         self.logits = logits  # [V] fp32 arena view: the output of every step
+        # What greedy decoding reads one logit from: on CPU a numpy view (no tensor built)
+        self._logit_of = logits.numpy() if logits.device.type == 'cpu' else logits
         self.device = logits.device
         self.token = torch.zeros(
             (1, 1), dtype=torch.long, device=self.device
@@ -134,7 +138,12 @@ class Engine:
     ) -> int:
         """Pick the next token: argmax when temperature <= 0, else top-k/top-p sampling."""
         if temperature <= 0.0:
-            return int(torch.argmax(self.logits))
+            best = int(torch.argmax(self.logits))
+            if math.isnan(self._logit_of[best]):  # argmax lands on a NaN when there is one
+                raise FlashRTError(
+                    'the model produced NaN logits; no token was taken: check the model '
+                    '(dtype, weights) and the capsule the state came from')
+            return best
         x = self.logits / temperature  # [V]
         if 0 < top_k < x.shape[0]:
             kth = torch.topk(x, top_k).values[-1]

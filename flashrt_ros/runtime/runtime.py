@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import functools
 import hashlib
+import math
 import threading
 import time
 from typing import Sequence
@@ -49,6 +50,7 @@ from .stats import RingStats, RuntimeStats, TierStats
 
 RESTORE_MODES = ('full', 'kv_only')
 KV_ONLY_SKIPS = frozenset({'conv', 'recurrent'})  # what a KV-only restore (the ablation) leaves
+MIN_TEMPERATURE = 1e-4  # below it the scaled logits overflow: use 0 (greedy) instead
 BUSY_MESSAGE = ('a generation is running; interrupt() it (a step in flight ends first), or '
                 'restore/rollback with preempt=True')
 
@@ -117,7 +119,7 @@ class Runtime:
             vocab_size=None if self.is_policy else adapter.vocab_size)
         self.fingerprint = self.codec.fingerprint
         self.store = CapsuleStore(self.device, config.budgets, config.eviction,
-                                  config.capsule_path)
+                                  config.capsule_path, self.fingerprint, config.capsule_key())
         self._restore_times: collections.deque[float] = collections.deque(maxlen=1000)
         self._last_restore_s = 0.0
         self._decode_tps = 0.0
@@ -256,6 +258,11 @@ class Runtime:
                  seed: int | None = None, stop: Sequence[str] = ('\n\n',),
                  eos: bool = True) -> Generation:
         """Start a streaming turn (iterate it for TokenEvents); claims the writer slot now."""
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
+                and (temperature == 0 or temperature >= MIN_TEMPERATURE)):
+            raise InvalidRequestError(
+                f'temperature {temperature!r} is not valid: use 0 (greedy) or a finite '
+                f'number >= {MIN_TEMPERATURE:g}')
         sampling = Sampling.checked(max_new_tokens, temperature, top_k, top_p, seed, stop, eos)
         self._require_mode(policy=False)
         with self._lock:
@@ -415,8 +422,14 @@ class Runtime:
         if source == target:
             raise InvalidNameError('fork target must differ from the source name')
         t0 = time.perf_counter()
+        self._check_open()
         cap = self.store.get(source)
         tier = validate_tier(tier or cap.tier)
+        try:
+            self.codec.check(cap)  # as restore does: a capsule of another model is no fork
+        except AttributeError:
+            self._check_open()  # close() ran meanwhile: say that
+            raise
         self.ring.retired.clear()  # it allocates: free what the ring dropped first
         blob = move_blob(cap.blob, tier, self.device,
                          None if self._pool is None else self._pool.take)  # CPU: one memory
@@ -477,18 +490,20 @@ class Runtime:
         return target.info(dt, tier='device')._replace(
             name=BOUNDARY_NAME.format(target.position), pinned=False)
 
-    def list_capsules(self, tier: str | None = None,
-                      unreadable: list[str] | None = None) -> list[CapsuleInfo]:
+    def list_capsules(self, tier: str | None = None, unreadable: list[str] | None = None,
+                      foreign: list[str] | None = None) -> list[CapsuleInfo]:
         """
         Capsules of every tier (or one), oldest first.
 
         Disk files that cannot be read (damaged, or written by a release with another
         capsule format) are not listed; pass a list as `unreadable` to get their names.
         restore or verify_capsule says what is wrong with one, delete_capsule removes it.
+        Files in capsule_dir that are not capsules (no capsule header, symbolic links) are
+        left alone and not listed; pass a list as `foreign` to get their names.
         """
         if tier is not None:
             validate_tier(tier)
-        return self.store.infos(tier, unreadable)
+        return self.store.infos(tier, unreadable, foreign)
 
     def delete_capsule(self, name: str) -> CapsuleInfo:
         t0 = time.perf_counter()
@@ -520,6 +535,7 @@ class Runtime:
         """Sizes, tiers, the rollback ring and latency figures (RuntimeStats.to_dict: JSON)."""
         times = sorted(self._restore_times)
         closed, ring = self._closed, self.ring
+        usage, temp_bytes = self.store.usage()
         return RuntimeStats(
             model=self.config.model,
             family='' if closed else self.adapter.family,
@@ -527,8 +543,7 @@ class Runtime:
             dtype=self.config.dtype,
             state_nbytes=0 if closed else self.state_nbytes,
             position=self.cursor.position,
-            tiers={t: TierStats(self.store.count(t), self.store.used_bytes(t),
-                                self.store.budgets[t]) for t in TIERS},
+            tiers={t: TierStats(*usage[t], self.store.budgets[t]) for t in TIERS},
             rollback_ring=RingStats(len(ring), ring.nbytes(), ring.depth, len(ring.retired),
                                     ring.retired_nbytes(self.store.memory_capsules()),
                                     ring.budget),
@@ -541,4 +556,5 @@ class Runtime:
             cuda_graph_note=None if closed else self.engine.graph_error,
             cuda_graph_replays=0 if closed else self.engine.replays,
             control_step_s=self._control_step_s if self.is_policy else None,
+            disk_temp_bytes=temp_bytes,
         )

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class TierStats:
     count: int  # capsules in the tier
-    bytes_used: int  # their blob bytes (disk: the capsule files' sizes)
+    # Their blob bytes (disk: the capsule files' sizes and the temp files of writes:
+    # RuntimeStats.disk_temp_bytes)
+    bytes_used: int
     budget: int  # bytes; 0 = unlimited
 
 
@@ -49,6 +51,9 @@ class RuntimeStats:
     cuda_graph_note: str | None  # why not, when it does not
     cuda_graph_replays: int
     control_step_s: float | None = None  # the last act() (policy mode; None for an LM)
+    # Temp files in capsule_dir: disk writes in progress, or left by a killed process until
+    # a sweep removes them (counted in the disk tier's bytes_used)
+    disk_temp_bytes: int = 0
 
     def to_dict(self) -> dict:
         """Return the nested dict of JSON values (an LM's has no control_step_s)."""

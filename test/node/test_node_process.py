@@ -113,9 +113,9 @@ def test_fingerprint_mismatch(client, client_b, at_home, capsule_dir):
 
 
 def test_unreadable_capsule_file_is_named_in_the_listing(client, at_home, capsule_dir):
+    assert client.snapshot('old-release', tier='disk').success
     path = os.path.join(capsule_dir, 'old-release.safetensors')
-    with open(path, 'wb') as f:
-        f.write(b'not a capsule')
+    os.truncate(path, os.path.getsize(path) - 100)  # our header, a short body
     response = client.list_capsules()
     assert response.success and 'old-release' not in {c.name for c in response.capsules}
     assert '1 unreadable capsule files on disk' in response.message, response.message

@@ -166,7 +166,7 @@ def test_corrupt_disk_file(client, at_home, capsule_dir):
     with open(os.path.join(capsule_dir, 'garbage.safetensors'), 'wb') as f:
         f.write(b'this is not a capsule')
     response = client.restore('garbage')
-    assert not response.success and 'cannot be read' in response.message, response.message
+    assert not response.success and 'not a capsule' in response.message, response.message
     assert client.state_digest() == before
     assert client.delete_capsule('to_corrupt').success
     os.remove(os.path.join(capsule_dir, 'garbage.safetensors'))
@@ -174,16 +174,23 @@ def test_corrupt_disk_file(client, at_home, capsule_dir):
 
 
 def test_delete_unreadable_disk_file(client, capsule_dir):
+    assert client.snapshot('unreadable', tier='disk').success
     path = os.path.join(capsule_dir, 'unreadable.safetensors')
-    with open(path, 'wb') as f:
+    os.truncate(path, os.path.getsize(path) - 100)  # our header, a short body
+    foreign = os.path.join(capsule_dir, 'foreign.safetensors')
+    with open(foreign, 'wb') as f:
         f.write(b'this is not a capsule')
     try:
         response = client.delete_capsule('unreadable')
         assert response.success, response.message
         assert not os.path.exists(path)
+        response = client.delete_capsule('foreign')  # not ours: left alone
+        assert not response.success and 'not a capsule' in response.message, response.message
+        assert os.path.exists(foreign)
     finally:
-        if os.path.exists(path):
-            os.remove(path)
+        for leftover in (path, foreign):
+            if os.path.exists(leftover):
+                os.remove(leftover)
 
 
 def test_full_budget_refuses_then_recovers(client, at_home):

@@ -1,5 +1,6 @@
 """Capsule store: fork, rollback, disk tier, corruption, budgets and names."""
 
+import contextlib
 import json
 import os
 import resource
@@ -367,8 +368,22 @@ def test_disk_budget_counts_file_bytes(make_runtime):
     assert not path.exists() and rt.stats().tiers['disk'].bytes_used == 0
 
 
+@contextlib.contextmanager
+def _file_size_limit(nbytes):
+    """Make writes past nbytes fail with EFBIG (a real short write, as a full disk gives)."""
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, limit[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
+
+
 def test_a_failed_disk_write_replaces_and_evicts_nothing(make_runtime):
-    # A directory where the file goes makes the final rename fail, after the data is written.
+    # A real short write: the file-size limit stops it part way (EFBIG), after the budget's
+    # victims were chosen.
     sizing = make_runtime()
     sizing.prefill(PROMPT)
     size = sizing.snapshot('a', tier='disk').nbytes
@@ -379,8 +394,8 @@ def test_a_failed_disk_write_replaces_and_evicts_nothing(make_runtime):
     rt.snapshot('b', tier='disk')
     rt.snapshot('c', tier='device')
     digest = rt.state_digest()
-    (rt.config.capsule_path / 'c.safetensors').mkdir()
-    with pytest.raises(FlashRTError, match='nothing was replaced or evicted'):
+    with _file_size_limit(size // 2), pytest.raises(
+            FlashRTError, match='nothing was replaced or evicted'):
         rt.snapshot('c', tier='disk')
     assert {(i.name, i.tier) for i in rt.list_capsules()} == {
         ('a', 'disk'), ('b', 'disk'), ('c', 'device')}
@@ -399,15 +414,9 @@ def test_a_disk_write_cut_short_keeps_the_old_file(make_runtime):
     old = rt.snapshot('a', tier='disk')
     digest = rt.state_digest()
     rt.prefill(OTHER_PROMPT)  # a longer state: a bigger file
-    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (old.nbytes + 10, limit[1]))
-    try:
-        with pytest.raises(FlashRTError, match='could not be written'):
-            rt.snapshot('a', tier='disk')
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
-        signal.signal(signal.SIGXFSZ, handler)
+    with _file_size_limit(old.nbytes + 10), pytest.raises(FlashRTError,
+                                                          match='could not be written'):
+        rt.snapshot('a', tier='disk')
     assert rt.verify_capsule('a').position == old.position
     rt.restore('a')
     assert rt.state_digest() == digest
@@ -437,6 +446,7 @@ def test_temp_files_a_killed_write_left_are_swept_at_start(make_runtime, tmp_pat
         'semi;colon',
         'sp ace',
         'trailing-newline\n',
+        'ab\x00cd',  # cut at the NUL by C code: 'ab'
         None,
         '@boundary-3',
     ],

@@ -1,31 +1,63 @@
 """
-The disk tier's format: one safetensors file per capsule in capsule_dir.
+The disk tier's format: one safetensors file per capsule in capsule_dir, and its index.
 
-A file holds the blob as a uint8 tensor and, as metadata, the header (format version,
-manifest, packing, meta, fingerprint, ...) and a sha256 checksum over the blob bytes and
-the header. It is written atomically (temp file, fsync, rename, fsync dir), so any process
-with the same model finds it by name, and it is always checked against its checksum when
-read whole.
+A file holds the blob as a uint8 tensor and, as safetensors metadata, the header under the
+key MAGIC (format version, manifest, packing, meta, fingerprint, ...), a sha256 checksum
+over the blob bytes and the header and, with a capsule key, a MAC over that checksum. Only
+a file with that header is a capsule; any other file (a model's `model.safetensors`, a
+symbolic link) is foreign and left alone. A file is written atomically (temp file, fsync,
+rename, fsync dir), so any process with the same model finds it by name, and it is always
+checked against its checksum (and MAC) when read whole. Files are opened without following
+links, so a link planted under a capsule's name is never read through.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
+import hmac
 import json
 import os
 from pathlib import Path
+import stat
 import tempfile
 import time
+from typing import NamedTuple
 
 import torch
 
 from .arena import ManifestEntry, Packing
 from .capsule import Capsule, validate_name
-from ..errors import CorruptCapsuleError, FlashRTError, InvalidNameError
+from ..errors import CapsuleNotFoundError, CorruptCapsuleError, FlashRTError, InvalidNameError
 
 FORMAT_VERSION = 2  # 2: arena prefix blobs (row-block layout)
+MAGIC = 'flashrt'  # the metadata key of the header: a file without it is not a capsule
 SUFFIX = '.safetensors'
 STALE_TEMP_S = 3600.0  # a write's temp file older than this was left by a killed process
+# A temp file of ours is locked while it is written; one that is unlocked and this old has
+# no writer left (the age covers the moment between creating and locking it).
+UNLOCKED_TEMP_S = 60.0
+TEMP_MARK = '.w-'  # in our temp files' names: .<name>.w-XXXXXXXX.tmp
+MAX_HEADER = 64 << 20  # bytes of safetensors header JSON read at most
+READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
+# No link is followed; O_NONBLOCK: a FIFO planted under a capsule's name does not block.
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+
+class NotACapsuleError(CapsuleNotFoundError):
+    """A file has a capsule's name but is not one (no flashrt_ros header, or a link)."""
+
+
+class Entry(NamedTuple):
+    """One file of capsule_dir as the index knows it."""
+
+    key: tuple  # lstat identity; the header is read again when it changes
+    size: int
+    mtime: float
+    kind: str  # 'capsule', 'corrupt' (our header, unreadable) or 'foreign'
+    head: Capsule | None  # header-only capsule of kind 'capsule'
+    fingerprint: str  # '' when unknown
 
 
 def path_of(directory: Path, name: str) -> Path:
@@ -55,51 +87,307 @@ def checksum(blob: torch.Tensor, header_json: str) -> str:
     return h.hexdigest()
 
 
+def mac(key: bytes, checksum_hex: str) -> str:
+    """HMAC-SHA256 over the checksum, itself a sha256 over the blob and the header."""
+    return hmac.new(key, b'flashrt-capsule:' + checksum_hex.encode(), 'sha256').hexdigest()
+
+
 def capsule_checksum(cap: Capsule) -> str:
     return checksum(cap.blob, json.dumps(header(cap), sort_keys=True))
 
 
-def list_files(directory: Path) -> list[tuple[str, int, float]]:
-    """(name, bytes, mtime) of every capsule file in `directory` with a valid name."""
-    if not directory.is_dir():
-        return []
-    out = []
-    for entry in os.scandir(directory):
-        if entry.name.endswith(SUFFIX) and not entry.name.startswith('.'):
-            name = entry.name[: -len(SUFFIX)]
-            try:
-                validate_name(name)
-                st = entry.stat()
-            except (InvalidNameError, OSError):
-                continue
-            out.append((name, st.st_size, st.st_mtime))
-    return out
+def io_error(what: str, path, exc: OSError) -> FlashRTError:
+    """Return the FlashRTError for a failed write or delete (read-only said as such)."""
+    if exc.errno in READ_ONLY:
+        return FlashRTError(
+            f'{what} failed: capsule_dir {str(Path(path).parent)!r} is read-only here '
+            f'({exc.strerror}); nothing was changed: snapshot to another tier or set '
+            'capsule_dir to a writable directory')
+    return FlashRTError(f'{what} failed at {str(path)!r} ({exc}); nothing was changed')
+
+
+def not_a_capsule(name: str, path, why: str) -> NotACapsuleError:
+    return NotACapsuleError(
+        f'{str(path)!r} is {why}, so it is not a capsule: flashrt_ros leaves it alone '
+        f'(there is no capsule {name!r}; remove or rename the file yourself, or use another '
+        'name)')
+
+
+def foreign_reason(entry: Entry) -> str:
+    """Say what a foreign file is, for not_a_capsule."""
+    mode = entry.key[-1]
+    if stat.S_ISLNK(mode):
+        return 'a symbolic link'
+    if not stat.S_ISREG(mode):
+        return 'not a regular file'
+    return 'a file without the flashrt_ros capsule header'
+
+
+def _open(name: str, path) -> int:
+    """Open a capsule file for reading without following a link; raise for a missing one."""
+    try:
+        return os.open(path, _OPEN_FLAGS)
+    except FileNotFoundError:
+        raise CapsuleNotFoundError(
+            f'capsule {name!r} not found; list_capsules() shows what exists') from None
+    except NotADirectoryError:  # capsule_dir is not a directory: no disk capsules at all
+        raise CapsuleNotFoundError(
+            f'capsule {name!r} not found; list_capsules() shows what exists') from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise not_a_capsule(name, path, 'a symbolic link') from None
+        raise FlashRTError(f'capsule file {str(path)!r} cannot be opened ({exc}); check '
+                           'the permissions of capsule_dir') from exc
+
+
+def _safetensors_head(fd: int, size: int) -> tuple[dict, int] | None:
+    """Return (the safetensors header JSON, its length) of a file of ours, None if foreign."""
+    raw = os.pread(fd, 8, 0)
+    n = int.from_bytes(raw, 'little') if len(raw) == 8 else 0
+    if not 2 <= n <= min(MAX_HEADER, size - 8):
+        return None
+    try:
+        top = json.loads(os.pread(fd, n, 8))
+    except ValueError:  # not JSON, or not UTF-8
+        return None
+    meta = top.get('__metadata__') if isinstance(top, dict) else None
+    if not isinstance(meta, dict) or MAGIC not in meta:
+        return None
+    return top, n
+
+
+def read(name: str, path: Path, header_only: bool = False, key: bytes | None = None) -> Capsule:
+    """Read a capsule file; header_only leaves the blob out (and unverified)."""
+    fd = _open(name, path)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise not_a_capsule(name, path, 'not a regular file')
+        found = _safetensors_head(fd, st.st_size)
+        if found is None:
+            raise not_a_capsule(name, path, 'a file without the flashrt_ros capsule header')
+        top, n = found
+        try:
+            meta = top['__metadata__']
+            header_json, stored = meta[MAGIC], meta['checksum']
+            head = json.loads(header_json)
+            if head.get('format') != FORMAT_VERSION:
+                raise ValueError(f"capsule format {head.get('format')!r}, this version reads "
+                                 f'{FORMAT_VERSION}: written by another flashrt_ros release')
+            entry = top['blob']
+            nbytes = int(entry['shape'][0])
+            if (entry['dtype'] != 'U8' or entry['data_offsets'] != [0, nbytes]
+                    or st.st_size != 8 + n + nbytes):
+                raise ValueError(f'the file holds {st.st_size} bytes, its header says '
+                                 f'{8 + n + nbytes} (truncated or garbled)')
+            cap = Capsule(
+                name=name,
+                tier='disk',
+                blob=None,
+                packing=Packing.from_json(head['packing']),
+                manifest=tuple(ManifestEntry.from_json(e) for e in head['manifest']),
+                fingerprint=head['fingerprint'],
+                position=int(head['position']),
+                meta_json=head['meta'],
+                components=tuple(head['components']),
+                created=float(head['created']),
+                pinned=bool(head['pinned']),
+                checksum=stored,
+                nbytes=st.st_size,
+                path=path,
+            )
+        except Exception as exc:  # garbled header: json, key, type and value errors
+            raise CorruptCapsuleError(
+                f'capsule file {str(path)!r} cannot be read ({exc}); '
+                'delete it and take a new snapshot'
+            ) from exc
+        if header_only:
+            return cap
+        if nbytes != cap.packing.nbytes:
+            raise CorruptCapsuleError(
+                f'capsule file {str(path)!r} holds {nbytes} bytes of state, '
+                f'its header says {cap.packing.nbytes}; delete it'
+            )
+        blob = torch.empty(nbytes, dtype=torch.uint8)
+        view, done = memoryview(blob.numpy()), 0
+        while done < nbytes:  # one read of up to 2 GiB per call on Linux
+            got = os.preadv(fd, [view[done:]], 8 + n + done)
+            if got <= 0:
+                raise CorruptCapsuleError(f'capsule file {str(path)!r} was truncated while '
+                                          'it was read; try again')
+            done += got
+    except OSError as exc:
+        raise FlashRTError(f'capsule file {str(path)!r} cannot be read ({exc})') from exc
+    finally:
+        os.close(fd)
+    if checksum(blob, json.dumps(head, sort_keys=True)) != stored:
+        raise CorruptCapsuleError(
+            f'capsule {name!r} failed its checksum (the file was modified or '
+            'damaged); delete it and take a new snapshot'
+        )
+    if key is not None and not hmac.compare_digest(str(meta.get('mac', '')), mac(key, stored)):
+        raise CorruptCapsuleError(
+            f'capsule {name!r} was not written with this key (capsule_key_file): its MAC '
+            'is missing or wrong, so it is refused; take a new snapshot, or restore it in a '
+            'runtime with the key that wrote it')
+    cap.blob = blob
+    return cap
+
+
+def _load_entry(name: str, path: Path, st: os.stat_result, key: tuple) -> Entry:
+    """Read the header of one file for the index."""
+    if not stat.S_ISREG(st.st_mode):
+        return Entry(key, st.st_size, st.st_mtime, 'foreign', None, '')
+    try:
+        head = read(name, path, header_only=True)
+        return Entry(key, st.st_size, st.st_mtime, 'capsule', head, head.fingerprint)
+    except NotACapsuleError:
+        return Entry(key, st.st_size, st.st_mtime, 'foreign', None, '')
+    except FlashRTError:  # ours, unreadable: keep what its header says about its model
+        return Entry(key, st.st_size, st.st_mtime, 'corrupt', None, _fingerprint_of(path))
+
+
+def _fingerprint_of(path: Path) -> str:
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+        try:
+            top, _ = _safetensors_head(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        return str(json.loads(top['__metadata__'][MAGIC])['fingerprint'])
+    except Exception:  # noqa: B902 - any failure means: unknown
+        return ''
+
+
+def _stat_key(st: os.stat_result) -> tuple:
+    return (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
+
+
+class DiskIndex:
+    """
+    The files of capsule_dir, each header read once and again only when the file changes.
+
+    scan() lists the directory and lstats each entry (cheap); a header is re-read only when
+    a file's stat identity (inode, size, mtime, ctime, mode) changed.
+    """
+
+    def __init__(self, directory: Path):
+        self.dir = directory
+        self._entries: dict[str, Entry] = {}
+        self.temp_bytes = 0  # temp files of writes in progress or left by killed ones
+
+    def scan(self) -> dict[str, Entry]:
+        """Return name -> Entry of every file with a capsule file name (foreign ones too)."""
+        entries, temp = {}, 0
+        try:
+            listing = os.scandir(self.dir)
+        except OSError:  # no capsule directory (yet), or not one
+            self._entries, self.temp_bytes = entries, temp
+            return entries
+        with listing:
+            for item in listing:
+                fname = item.name
+                try:
+                    if fname.startswith('.'):
+                        if fname.endswith('.tmp') and item.is_file(follow_symlinks=False):
+                            temp += item.stat(follow_symlinks=False).st_size
+                        continue
+                    if not fname.endswith(SUFFIX):
+                        continue
+                    name = fname[:-len(SUFFIX)]
+                    old = self._entries.get(name)  # a known name is a valid one
+                    if old is None:
+                        validate_name(name)
+                    st = item.stat(follow_symlinks=False)
+                except (InvalidNameError, OSError):
+                    continue
+                key = _stat_key(st)
+                entries[name] = (old if old is not None and old.key == key
+                                 else _load_entry(name, Path(item.path), st, key))
+        self._entries, self.temp_bytes = entries, temp
+        return entries
+
+    def entry(self, name: str) -> Entry | None:
+        """Return the Entry of one name, refreshed from one lstat (None: no such file)."""
+        path = os.path.join(self.dir, name + SUFFIX)
+        try:
+            st = os.lstat(path)
+        except OSError:  # every memory snapshot comes here: one syscall, no Path object
+            self._entries.pop(name, None)
+            return None
+        key = _stat_key(st)
+        old = self._entries.get(name)
+        if old is None or old.key != key:
+            old = self._entries[name] = _load_entry(name, Path(path), st, key)
+        return old
+
+    def touch(self, name: str, path: Path) -> None:
+        """Set the file's mtime (the LRU clock other processes see); never fails."""
+        try:
+            os.utime(path, follow_symlinks=False)
+            st = os.lstat(path)
+        except OSError:  # read-only file or directory: the in-memory clock is enough
+            return
+        old = self._entries.get(name)
+        if old is not None and old.key[:3] == _stat_key(st)[:3]:  # the same file, only touched
+            self._entries[name] = old._replace(key=_stat_key(st), mtime=st.st_mtime)
+
+    def remove(self, name: str, what: str) -> None:
+        """Delete capsule `name`'s file (the caller checked it is one of ours)."""
+        path = os.path.join(self.dir, name + SUFFIX)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise io_error(what, path, exc) from exc
+        self._entries.pop(name, None)
 
 
 def sweep_stale_temps(directory: Path) -> None:
-    """Remove temp files of disk writes that a killed process left behind."""
+    """
+    Remove temp files of disk writes that a killed process left behind.
+
+    Any temp file older than STALE_TEMP_S goes; one of ours (TEMP_MARK) goes sooner, once
+    it is UNLOCKED_TEMP_S old and no process holds its lock (its writer is gone).
+    """
     try:
         entries = list(os.scandir(directory))
     except OSError:  # no capsule directory (yet)
         return
-    cutoff = time.time() - STALE_TEMP_S  # a younger one may be another process's write
+    now = time.time()
     for entry in entries:
-        if entry.name.startswith('.') and entry.name.endswith('.tmp'):
-            try:
-                if entry.stat().st_mtime < cutoff:
+        if not (entry.name.startswith('.') and entry.name.endswith('.tmp')):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            age = now - st.st_mtime
+            if age > STALE_TEMP_S:
+                os.unlink(entry.path)
+            elif TEMP_MARK in entry.name and age > UNLOCKED_TEMP_S:
+                fd = os.open(entry.path, _OPEN_FLAGS)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while written
                     os.unlink(entry.path)
-            except OSError:
-                pass
+                finally:
+                    os.close(fd)
+        except OSError:  # locked, gone meanwhile, or a read-only directory
+            pass
 
 
-def encode(cap: Capsule) -> bytes:
+def encode(cap: Capsule, key: bytes | None = None) -> bytes:
     """Return the file's bytes; seals the capsule (sets its checksum) if it was not yet."""
     from safetensors.torch import save
 
     blob = cap.blob if cap.blob.device.type == 'cpu' else cap.blob.cpu()
     header_json = json.dumps(header(cap), sort_keys=True)
     cap.checksum = cap.checksum or checksum(blob, header_json)
-    return save({'blob': blob}, metadata={'flashrt': header_json, 'checksum': cap.checksum})
+    meta = {MAGIC: header_json, 'checksum': cap.checksum}
+    if key is not None:
+        meta['mac'] = mac(key, cap.checksum)
+    return save({'blob': blob}, metadata=meta)
 
 
 def write(directory: Path, name: str, data: bytes) -> Path:
@@ -107,16 +395,19 @@ def write(directory: Path, name: str, data: bytes) -> Path:
     path, tmp = path_of(directory, name), None
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f'.{name}.', suffix='.tmp', dir=directory)
+        fd, tmp = tempfile.mkstemp(prefix=f'.{name}{TEMP_MARK}', suffix='.tmp', dir=directory)
         with os.fdopen(fd, 'wb') as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # a sweep leaves a locked temp file alone
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic: readers see old or new, never half
+            os.replace(tmp, path)  # atomic: readers see old or new, never half
     except BaseException as exc:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
         if isinstance(exc, OSError):  # disk full, quota, read-only, no directory
+            if exc.errno in READ_ONLY:
+                raise io_error(f'writing capsule {name!r}', path, exc) from exc
             raise FlashRTError(
                 f'capsule {name!r} could not be written to {str(path)!r} ({exc}); '
                 'nothing was replaced or evicted: free space or fix capsule_dir, or '
@@ -128,69 +419,12 @@ def write(directory: Path, name: str, data: bytes) -> Path:
 
 def sync_dir(directory: Path) -> None:
     """Make the renames in `directory` durable."""
-    dir_fd = os.open(directory, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def remove(directory: Path, name: str) -> bool:
-    """Delete capsule `name`'s file; return whether there was one."""
-    path = os.path.join(directory, name + SUFFIX)
-    try:  # every memory snapshot comes here: one syscall, no Path object
-        os.unlink(path)
-        return True
-    except OSError:
-        if os.path.isfile(path):  # there, and it cannot be removed: nothing was changed
-            raise
-        return False  # no such file (or no capsule directory at all)
-
-
-def read(name: str, path: Path, header_only: bool = False) -> Capsule:
-    """Read a capsule file; header_only leaves the blob out (and unverified)."""
-    from safetensors import safe_open
-
-    try:
-        size = path.stat().st_size
-        with safe_open(str(path), framework='pt', device='cpu') as f:
-            meta = f.metadata() or {}
-            header_json, stored = meta['flashrt'], meta['checksum']
-            head = json.loads(header_json)
-            blob = None if header_only else f.get_tensor('blob')
-        if head.get('format') != FORMAT_VERSION:
-            raise ValueError(f"capsule format {head.get('format')!r}, this version reads "
-                             f'{FORMAT_VERSION}: written by another flashrt_ros release')
-        cap = Capsule(
-            name=name,
-            tier='disk',
-            blob=blob,
-            packing=Packing.from_json(head['packing']),
-            manifest=tuple(ManifestEntry.from_json(e) for e in head['manifest']),
-            fingerprint=head['fingerprint'],
-            position=int(head['position']),
-            meta_json=head['meta'],
-            components=tuple(head['components']),
-            created=float(head['created']),
-            pinned=bool(head['pinned']),
-            checksum=stored,
-            nbytes=size,
-            path=path,
-        )
-    except Exception as exc:  # truncated/garbled file: safetensors, json, key and type errors
-        raise CorruptCapsuleError(
-            f'capsule file {str(path)!r} cannot be read ({exc}); '
-            'delete it and take a new snapshot'
-        ) from exc
-    if blob is not None:
-        if blob.dtype != torch.uint8 or blob.dim() != 1 or blob.numel() != cap.packing.nbytes:
-            raise CorruptCapsuleError(
-                f'capsule file {str(path)!r} holds {blob.numel()} bytes of state, '
-                f'its header says {cap.packing.nbytes}; delete it'
-            )
-        if checksum(blob, json.dumps(head, sort_keys=True)) != stored:
-            raise CorruptCapsuleError(
-                f'capsule {name!r} failed its checksum (the file was modified or '
-                'damaged); delete it and take a new snapshot'
-            )
-    return cap
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        raise FlashRTError(f'capsule_dir {str(directory)!r} could not be synced ({exc}); the '
+                           'capsule was written but may not survive a power loss') from exc

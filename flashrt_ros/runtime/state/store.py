@@ -1,26 +1,31 @@
 """
 CapsuleStore: named capsules in device and host memory and on disk (state/disk.py).
 
-Budgets: exact bytes of blobs held per memory tier, and the exact file sizes of the
-capsule files present in capsule_dir for the disk tier (the directory is the budget's
-unit, also for files written by other processes). Policy "refuse" raises
-BudgetExceededError; "lru" evicts least-recently-used unpinned capsules of that tier,
-and only when that makes enough room (otherwise it refuses without evicting anything).
-Every eviction is recorded; `drain_evicted()` hands the records to whoever reports them.
+Budgets: exact bytes of blobs held per memory tier, and for the disk tier the exact sizes
+of the capsule files in capsule_dir (the directory is the budget's unit, also for capsules
+other processes wrote) plus the temp files of writes in progress. Policy "refuse" raises
+BudgetExceededError; "lru" evicts least-recently-used unpinned capsules of that tier and
+of this runtime's model, and only when that makes enough room (otherwise it refuses
+without evicting anything). Every eviction is recorded; `drain_evicted()` hands the
+records to whoever reports them.
+
+The store touches only its own capsules: a file in capsule_dir without the capsule header
+(disk.py) is foreign and never counted, evicted, deleted or read; a capsule of another
+model is never replaced or evicted. The directory is listed through an index that reads a
+file's header once (disk.DiskIndex), and the disk tier's LRU clock is kept in memory, so a
+read-only capsule directory serves restores.
 
 Checksums: a device or host capsule is not hashed when it is taken (hashing is much
 slower than the copy and needs a device->host copy on a GPU). Its checksum is computed
 lazily (verify(), a disk write, a fork to disk) and cached; a file read from disk is always
-checked against its stored one. A memory capsule is never handed out writable, so what the
-lazy checksum protects against there is hardware/bug corruption between two verifies.
-
-The store touches only its own capsules: nothing outside them is counted, moved or deleted.
+checked against its stored one (and its MAC, with a capsule key). A memory capsule is never
+handed out writable, so what the lazy checksum protects against there is hardware/bug
+corruption between two verifies.
 """
 
 from __future__ import annotations
 
 import collections
-import os
 from pathlib import Path
 import threading
 import time
@@ -30,37 +35,46 @@ import torch
 
 from . import disk
 from .capsule import Capsule, CapsuleInfo, not_found, validate_name
-from ..errors import BudgetExceededError, CorruptCapsuleError
+from ..errors import BudgetExceededError, CorruptCapsuleError, FingerprintMismatchError
 
 
 class CapsuleStore:
     """Named capsules in device/host memory and on disk, with per-tier byte budgets."""
 
     def __init__(
-        self, device: torch.device, budgets: dict[str, int], eviction: str, capsule_dir: Path
+        self, device: torch.device, budgets: dict[str, int], eviction: str, capsule_dir: Path,
+        fingerprint: str = '', key: bytes | None = None,
     ):
+        """fingerprint: this runtime's (what eviction may remove); key: the MAC key or None."""
         self.device = device
         self.budgets = dict(budgets)
         self.eviction = eviction
         self.dir = capsule_dir
+        self.fingerprint, self.key = fingerprint, key
         self._mem: dict[str, Capsule] = {}  # device + host tiers
         self._lock = threading.RLock()  # store bookkeeping; independent of the step lock
         self._evicted: collections.deque[CapsuleInfo] = collections.deque(maxlen=256)
+        self.index = disk.DiskIndex(capsule_dir)
+        self._disk_used: dict[str, float] = {}  # the disk tier's LRU clock (unix s) of our uses
         disk.sweep_stale_temps(self.dir)
 
     # ---- accounting ------------------------------------------------------------------
 
-    def used_bytes(self, tier: str) -> int:
-        with self._lock:
-            if tier == 'disk':
-                return sum(size for _, size, _ in disk.list_files(self.dir))
-            return sum(c.nbytes for c in self._mem.values() if c.tier == tier)
+    def _ours_on_disk(self) -> dict[str, disk.Entry]:
+        """Capsule files of ours (any model, readable or not); foreign files left out."""
+        return {n: e for n, e in self.index.scan().items() if e.kind != 'foreign'}
 
-    def count(self, tier: str) -> int:
+    def usage(self) -> tuple[dict[str, tuple[int, int]], int]:
+        """Return tier -> (capsules, bytes used) and the temp files' bytes, from one scan."""
         with self._lock:
-            if tier == 'disk':
-                return len(disk.list_files(self.dir))
-            return sum(1 for c in self._mem.values() if c.tier == tier)
+            out = {tier: (0, 0) for tier in self.budgets}
+            for c in self._mem.values():
+                count, nbytes = out[c.tier]
+                out[c.tier] = (count + 1, nbytes + c.nbytes)
+            files = self._ours_on_disk()
+            temp = self.index.temp_bytes
+            out['disk'] = (len(files), sum(e.size for e in files.values()) + temp)
+            return out, temp
 
     def _make_room(self, tier: str, nbytes: int, replacing: str) -> list[str]:
         """Names to evict so nbytes fit in tier (replacing `replacing`); raises if impossible."""
@@ -68,18 +82,23 @@ class CapsuleStore:
         if budget <= 0:
             return []
         if tier == 'disk':
+            files = self._ours_on_disk()
+            extra = self.index.temp_bytes
+            # Evictable: a readable unpinned capsule of this model, oldest use first.
             entries = [
-                (n, size, mtime, self._disk_pinned(n))
-                for n, size, mtime in disk.list_files(self.dir)
+                (n, e.size, max(e.mtime, self._disk_used.get(n, 0.0)),
+                 e.kind != 'capsule' or e.head.pinned or e.fingerprint != self.fingerprint)
+                for n, e in files.items()
             ]
         else:
+            extra = 0
             entries = [
                 (c.name, c.nbytes, c.last_used, c.pinned)
                 for c in self._mem.values()
                 if c.tier == tier
             ]
         entries = [e for e in entries if e[0] != replacing]
-        used = sum(e[1] for e in entries)
+        used = sum(e[1] for e in entries) + extra
         if used + nbytes <= budget:
             return []
         if nbytes > budget:
@@ -93,29 +112,50 @@ class CapsuleStore:
                 "delete capsules, raise the budget, or set eviction to 'lru'"
             )
         victims, freed = [], 0
-        for name, size, _, pinned in sorted(entries, key=lambda e: e[2]):  # oldest use first
+        for name, size, _, kept in sorted(entries, key=lambda e: e[2]):  # oldest use first
             if used - freed + nbytes <= budget:
                 break
-            if not pinned:
+            if not kept:
                 victims.append(name)
                 freed += size
         if used - freed + nbytes > budget:
             raise BudgetExceededError(
-                f'{tier} tier is full of pinned capsules ({used} of {budget} bytes); '
-                'delete or unpin some, or raise the budget'
+                f'{tier} tier is full of capsules lru may not evict ({used} of {budget} bytes: '
+                'pinned ones, on disk also unreadable ones, other models and temp files of '
+                'writes in progress); delete or unpin some, or raise the budget'
             )
         return victims
 
     # ---- put / get / delete ----------------------------------------------------------
 
+    def _check_replace(self, name: str) -> disk.Entry | None:
+        """Return the disk file a snapshot `name` replaces; raise if it must not be replaced."""
+        entry = self.index.entry(name)
+        if entry is None:
+            return None
+        if entry.kind == 'foreign':
+            raise disk.not_a_capsule(name, disk.path_of(self.dir, name),
+                                     disk.foreign_reason(entry))
+        if entry.fingerprint != self.fingerprint:
+            raise FingerprintMismatchError(
+                f'capsule {name!r} on disk holds the state of another model or layout '
+                f'(fingerprint {entry.fingerprint[:12] or "unknown"}, this runtime '
+                f'{self.fingerprint[:12]}); it is not replaced: delete it first or pick '
+                'another name')
+        return entry
+
     def put(self, capsule: Capsule) -> Capsule:
         """Store a memory capsule or write a disk one, replacing any of the same name."""
         with self._lock:
+            replaced = self._check_replace(capsule.name)
             if capsule.tier == 'disk':
                 return self._write_disk(capsule)
-            for victim in self._make_room(capsule.tier, capsule.nbytes, capsule.name):
-                self._evict(victim)
-            self._delete_locked(capsule.name, missing_ok=True)
+            victims = self._make_room(capsule.tier, capsule.nbytes, capsule.name)
+            if replaced is not None:  # may fail (read-only): nothing changed yet
+                self.index.remove(capsule.name, f'replacing disk capsule {capsule.name!r}')
+                self._disk_used.pop(capsule.name, None)
+            for victim in victims:
+                self._evict(victim, capsule.tier)
             self._mem[capsule.name] = capsule
             return capsule
 
@@ -152,19 +192,19 @@ class CapsuleStore:
                     cap.last_used = time.monotonic()
                 return cap
             path = disk.path_of(self.dir, name)
-            if not path.is_file():
-                raise not_found(name)
-            cap = disk.read(name, path, header_only=header_only)
+            cap = disk.read(name, path, header_only=header_only, key=self.key)
             if not header_only:
-                os.utime(path)  # mtime is the disk tier's LRU clock
+                self._disk_used[name] = time.time()
+                self.index.touch(name, path)  # mtime: the clock other processes see
             return cap
 
     def delete(self, name: str) -> CapsuleInfo:
         validate_name(name)
         with self._lock:
-            info = self._info_for_removal(name)
-            self._delete_locked(name)
-            return info
+            cap = self._mem.pop(name, None)
+            if cap is not None:
+                return cap.info()
+            return self._delete_disk(name, f'deleting capsule {name!r}')
 
     def drain_evicted(self) -> list[CapsuleInfo]:
         """Capsules evicted by the lru policy since the last call (oldest first)."""
@@ -173,45 +213,53 @@ class CapsuleStore:
             self._evicted.clear()
             return out
 
-    def _evict(self, name: str) -> None:
-        self._evicted.append(self._info_for_removal(name))
-        self._delete_locked(name)
+    def _evict(self, name: str, tier: str) -> None:
+        if tier == 'disk':
+            self._evicted.append(self._delete_disk(name, f'evicting capsule {name!r}'))
+        else:
+            self._evicted.append(self._mem.pop(name).info())
 
-    def _info_for_removal(self, name: str) -> CapsuleInfo:
-        """Info of a capsule about to be removed; an unreadable disk file still gets one."""
-        try:
-            return self.peek(name).info()
-        except CorruptCapsuleError:
-            # The error for an unreadable file tells the user to delete it, so deleting
-            # must not need to parse it.
-            st = disk.path_of(self.dir, name).stat()
-            return CapsuleInfo(name, 'disk', st.st_size, 0, st.st_mtime, '', '', ())
+    def _delete_disk(self, name: str, what: str) -> CapsuleInfo:
+        """Remove capsule file `name` if it is one of ours; return what it was."""
+        entry = self.index.entry(name)
+        if entry is None:
+            raise not_found(name)
+        if entry.kind == 'foreign':
+            raise disk.not_a_capsule(name, disk.path_of(self.dir, name),
+                                     disk.foreign_reason(entry))
+        self.index.remove(name, what)
+        self._disk_used.pop(name, None)
+        if entry.kind == 'capsule':
+            return entry.head.info()
+        # The error for an unreadable file tells the user to delete it, so deleting must not
+        # need to parse it.
+        return CapsuleInfo(name, 'disk', entry.size, 0, entry.mtime, '', entry.fingerprint, ())
 
     def drop_memory_tiers(self) -> None:
         """Forget every device and host capsule (used when the runtime closes)."""
         with self._lock:
             self._mem.clear()
 
-    def _delete_locked(self, name: str, missing_ok: bool = False) -> None:
-        found = disk.remove(self.dir, name)
-        found = self._mem.pop(name, None) is not None or found
-        if not found and not missing_ok:
-            raise not_found(name)
+    def infos(self, tier: str | None = None, unreadable: list[str] | None = None,
+              foreign: list[str] | None = None) -> list[CapsuleInfo]:
+        """
+        Infos of all capsules, oldest first.
 
-    def infos(self, tier: str | None = None,
-              unreadable: list[str] | None = None) -> list[CapsuleInfo]:
-        """Infos of all capsules, oldest first; unreadable disk files are named in unreadable."""
+        Disk files of ours that cannot be read are named in `unreadable`, files with a
+        capsule file name that are not capsules (no capsule header, links) in `foreign`.
+        """
         with self._lock:
             infos = [c.info() for c in self._mem.values()]
-            for name, _, _ in disk.list_files(self.dir):
+            for name, entry in self.index.scan().items():
                 if name in self._mem:
                     continue
-                path = disk.path_of(self.dir, name)
-                try:
-                    infos.append(disk.read(name, path, header_only=True).info())
-                except CorruptCapsuleError:  # restore or verify says why
-                    if unreadable is not None and path.is_file():  # not deleted meanwhile
+                if entry.kind == 'capsule':
+                    infos.append(entry.head.info())
+                elif entry.kind == 'corrupt':  # restore or verify says why
+                    if unreadable is not None:
                         unreadable.append(name)
+                elif foreign is not None:
+                    foreign.append(name)
         return sorted(
             (i for i in infos if tier is None or i.tier == tier), key=lambda i: (i.created, i.name)
         )
@@ -232,21 +280,17 @@ class CapsuleStore:
 
     # ---- disk ------------------------------------------------------------------------
 
-    def _disk_pinned(self, name: str) -> bool:
-        try:
-            return disk.read(name, disk.path_of(self.dir, name), header_only=True).pinned
-        except CorruptCapsuleError:
-            return False
-
     def _write_disk(self, capsule: Capsule) -> Capsule:
-        data = disk.encode(capsule)
+        data = disk.encode(capsule, self.key)
+        disk.sweep_stale_temps(self.dir)  # what a killed write left counts against the budget
         victims = self._make_room('disk', len(data), capsule.name)  # may refuse: nothing changed
         path = disk.write(self.dir, capsule.name, data)
         # Written: only now does it replace a same-named memory capsule (the old file went in
         # the rename) and do the budget's victims go.
         self._mem.pop(capsule.name, None)
+        self._disk_used[capsule.name] = time.time()
         for victim in victims:
-            self._evict(victim)
+            self._evict(victim, 'disk')
         disk.sync_dir(self.dir)
         return capsule.with_blob(
             capsule.name, 'disk', None, meta_json=capsule.meta_json, created=capsule.created,
