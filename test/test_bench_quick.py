@@ -54,3 +54,42 @@ def test_bench_quick_subset_writes_schema_and_correctness(tmp_path):
 
     assert (tmp_path / 'smoke-fig1.png').is_file() and (tmp_path / 'smoke-fig3.png').is_file()
     assert (tmp_path / 'smoke.md').is_file()
+
+
+BLOCKER = '''
+import sys
+
+
+class Blocked:
+    """Make rclpy and matplotlib unimportable, as on a GPU image without ROS or plots."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('rclpy', 'matplotlib'):
+            raise ImportError(f'{name} is blocked by this test')
+        return None
+
+
+sys.meta_path.insert(0, Blocked())
+'''
+
+
+def test_bench_runs_fig1_without_rclpy_and_matplotlib(tmp_path):
+    site = tmp_path / 'site'
+    site.mkdir()
+    (site / 'sitecustomize.py').write_text(BLOCKER)
+    env = dict(os.environ)
+    env['PYTHONPATH'] = os.pathsep.join(
+        p for p in (str(site), env.get('PYTHONPATH'), ROOT) if p)
+    check = subprocess.run([sys.executable, '-c', 'import rclpy'], env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode != 0 and 'blocked by this test' in check.stderr
+    cmd = [sys.executable, '-m', 'flashrt_ros.bench', '--quick', '--only', 'fig1',
+           '--model', 'builtin:tiny-hybrid', '--lengths', '128', '--repeats', '1',
+           '--out', str(tmp_path), '--name', 'noros']
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / 'noros.json') as f:
+        data = json.load(f)
+    assert list(data['figures']) == ['fig1'] and data['figures']['fig1']['rows']
+    assert data['plots'] == {} and 'no plots' in proc.stdout + proc.stderr

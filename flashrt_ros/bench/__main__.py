@@ -28,9 +28,7 @@ from .figures import (
     Plan,
 )
 from .measure import BENCH_MODEL
-from .plots import plot_all
 from .report import to_markdown, to_text
-from .through_ros import fig5_through_ros
 
 FIGURES = ('fig1', 'fig2', 'fig3', 'fig4', 'fig5', 'fig6')
 FULL_LENGTHS = [512, 1024, 2048, 4096, 8192, 16384]
@@ -104,6 +102,8 @@ def run_figure(key, rt, args, plan, log):
     log(f'{key} ...')
     try:
         if key == 'fig5':
+            from .through_ros import fig5_through_ros  # imports rclpy: only fig5 needs ROS
+
             result = fig5_through_ros(plan, args.device, log)
         else:
             fn = {'fig1': fig1_snapshot_restore, 'fig2': fig2_ttft, 'fig3': fig3_correctness,
@@ -119,6 +119,16 @@ def run_figure(key, rt, args, plan, log):
     result['cpu'] = cpu_usage(before, after)
     log(f'{key} done in {result["elapsed_s"]:.1f} s; CPU: {result["cpu"]}')
     return result
+
+
+def write_plots(results, directory, name, log):
+    """Draw the PNGs if matplotlib is installed (a GPU image may lack it); return their paths."""
+    try:
+        from .plots import plot_all
+    except ImportError as exc:
+        log(f'no plots: {exc} (pip install matplotlib, then redraw them from the JSON)')
+        return {}
+    return plot_all(results, directory, name)
 
 
 def main(argv=None):
@@ -156,7 +166,7 @@ def main(argv=None):
         shutil.rmtree(workdir, ignore_errors=True)
     results['machine']['loadavg_end'] = list(os.getloadavg())
     results['elapsed_s'] = log.elapsed()
-    results['plots'] = plot_all(results, args.plots or args.out, name)
+    results['plots'] = write_plots(results, args.plots or args.out, name, log)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f'{name}.json')
     with open(path, 'w') as f:
