@@ -91,6 +91,7 @@ class Runtime:
         if adapter is None:
             load = load_policy if is_policy_model(config.model) else load_adapter
             adapter = load(config.model, self.device, self.dtype, config.max_seq_len)
+        adapter.check_device(self.device)  # a user's module may still be elsewhere
         self.adapter = adapter
         self.is_policy = isinstance(adapter, PolicyAdapter)
         self.tokenizer = getattr(adapter, 'tokenizer', None)
@@ -533,5 +534,6 @@ class Runtime:
             cuda_graph=bool(not closed and self.engine.graph is not None),
             cuda_graph_note=None if closed else self.engine.graph_error,
             cuda_graph_replays=0 if closed else self.engine.replays,
+            kernels=() if closed else tuple(self.adapter.kernels),
             control_step_s=self._control_step_s if self.is_policy else None,
         )
