@@ -172,6 +172,12 @@ class Runtime:
                 'queue need a policy model (e.g. builtin:tiny-policy)'
             )
 
+    def _clock(self) -> float:
+        """Start a latency clock; on CUDA after the work already queued (a turn's commit)."""
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
     def _commit(self) -> None:
         """Mark the live state as a committed boundary (push it on the rollback ring)."""
         if self.ring.depth > 0:
@@ -198,7 +204,7 @@ class Runtime:
                     self.engine.decode(0, 1)
                 if self.config.cuda_graphs and self._cuda and not self.is_policy:
                     self.arena.zero_()
-                    self.engine.capture()
+                    self.engine.capture(self.arena.views)
             finally:
                 self.arena.storage.copy_(saved)
                 self.arena.begin_epoch()  # the old rows are back, but the lineage is not
@@ -345,7 +351,7 @@ class Runtime:
         """Capture the live state as capsule `name` (at the next step boundary if generating)."""
         validate_name(name)
         validate_tier(tier)
-        t0 = time.perf_counter()
+        t0 = self._clock()
         with self._lock:
             self._check_open()
             cap = self.codec.capture(name, tier, pinned=bool(pinned))
@@ -363,7 +369,7 @@ class Runtime:
         of raising BusyError (preemption.py); the capsule is fetched and checked before
         anything is stopped, so a bad one leaves the generation running.
         """
-        t0 = time.perf_counter()
+        t0 = self._clock()
         if mode not in RESTORE_MODES:
             raise InvalidRequestError(
                 f"restore mode {mode!r} is not valid; use one of {', '.join(RESTORE_MODES)}"
