@@ -93,3 +93,17 @@ def test_bench_runs_fig1_without_rclpy_and_matplotlib(tmp_path):
         data = json.load(f)
     assert list(data['figures']) == ['fig1'] and data['figures']['fig1']['rows']
     assert data['plots'] == {} and 'no plots' in proc.stdout + proc.stderr
+
+
+def test_arch_check_knows_which_builds_run_on_a_device():
+    from flashrt_ros.bench.gpu_env import arch_supported
+
+    cu128 = ['sm_75', 'sm_80', 'sm_86', 'sm_90', 'sm_100', 'sm_120', 'compute_120']
+    assert arch_supported((8, 9), cu128)  # an sm_86 cubin runs on 8.9
+    assert arch_supported((12, 1), cu128)
+    assert not arch_supported((11, 0), ['sm_80', 'sm_90', 'sm_100', 'sm_120'])  # Thor
+    assert arch_supported((11, 0), ['sm_90', 'sm_100', 'sm_110', 'sm_120'])
+    assert arch_supported((11, 0), ['sm_90', 'compute_100'])  # PTX: the driver compiles it
+    assert not arch_supported((9, 0), ['sm_100a', 'compute_100'])  # PTX never runs backward
+    assert not arch_supported((10, 3), ['sm_100a']) and arch_supported((10, 0), ['sm_100a'])
+    assert not arch_supported((8, 0), [])

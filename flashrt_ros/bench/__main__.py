@@ -6,6 +6,7 @@ Writes <out>/<name>.json (environment, model, every figure's median, p10/p90 and
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -40,6 +41,9 @@ def parse_args(argv=None):
                                 description=__doc__.strip().split('\n')[0])
     p.add_argument('--quick', action='store_true',
                    help='small lengths, few repeats: a CI smoke run (< 3 min on 2 cores)')
+    p.add_argument('--smoke', action='store_true',
+                   help='--quick with the fewest samples that still run every figure (a dry '
+                        'run of the scripts; its numbers mean nothing)')
     p.add_argument('--model', default=BENCH_MODEL,
                    help='built-in id or local checkpoint directory (default %(default)s)')
     p.add_argument('--device', default='cpu', help='cpu, cuda or cuda:N')
@@ -72,16 +76,20 @@ def parse_args(argv=None):
 
 
 def make_plan(args, workdir):
-    quick = args.quick
+    quick = args.quick or args.smoke
     lengths = sorted(set(args.lengths or (QUICK_LENGTHS if quick else FULL_LENGTHS)))
     repeats = args.repeats or (2 if quick else 5)
-    return Plan(
+    plan = Plan(
         quick=quick, lengths=lengths, sizes=sorted({64} | set(lengths)), repeats=repeats,
         fast_repeats=6 * repeats, budget_s=args.budget_s or (20.0 if quick else 150.0),
         decode_steps=16 if quick else 32, decode_rounds=max(4, 4 * repeats),
         correctness_steps=64,
         round_trips=50 if quick else 500, interrupts=20 if quick else 200,
         node_model=args.node_model, workdir=workdir)
+    if args.smoke:
+        plan = dataclasses.replace(plan, decode_steps=4, decode_rounds=2, correctness_steps=12,
+                                   round_trips=5, interrupts=3)
+    return plan
 
 
 def build_runtime(args, plan):
