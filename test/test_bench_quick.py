@@ -56,13 +56,11 @@ def test_bench_quick_subset_writes_schema_and_correctness(tmp_path):
     assert (tmp_path / 'smoke.md').is_file()
 
 
-BLOCKER = '''
+BLOCKER = """
 import sys
 
 
-class Blocked:
-    """Make rclpy and matplotlib unimportable, as on a GPU image without ROS or plots."""
-
+class Blocked:  # rclpy and matplotlib unimportable, as on a GPU image without ROS or plots
     def find_spec(self, name, path=None, target=None):
         if name.split('.')[0] in ('rclpy', 'matplotlib'):
             raise ImportError(f'{name} is blocked by this test')
@@ -70,7 +68,7 @@ class Blocked:
 
 
 sys.meta_path.insert(0, Blocked())
-'''
+"""
 
 
 def test_bench_runs_fig1_without_rclpy_and_matplotlib(tmp_path):
@@ -92,6 +90,8 @@ def test_bench_runs_fig1_without_rclpy_and_matplotlib(tmp_path):
     with open(tmp_path / 'noros.json') as f:
         data = json.load(f)
     assert list(data['figures']) == ['fig1'] and data['figures']['fig1']['rows']
+    assert data['model']['kernels'] and all(
+        k.endswith(':reference') for k in data['model']['kernels'])  # a CPU runtime's
     assert data['plots'] == {} and 'no plots' in proc.stdout + proc.stderr
 
 

@@ -9,16 +9,16 @@ import textwrap
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # A causal_conv1d whose kernels raise, as a Triton/CUDA-only build does for CPU tensors.
-STUB = '''
+STUB = """
 def causal_conv1d_fn(x, weight, bias=None, activation=None, seq_idx=None):
     raise RuntimeError('stub causal_conv1d kernel called')
 
 
 def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
     raise RuntimeError('stub causal_conv1d kernel called')
-'''
+"""
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import json
     from flashrt_ros.runtime import Runtime
 
@@ -35,7 +35,7 @@ SCRIPT = textwrap.dedent('''
     from transformers.models.qwen3_next import modeling_qwen3_next as m
     bound = [c.cell_contents for c in m.causal_conv1d_fn.flashrt_kernel.__closure__]
     print(json.dumps(['bound', sorted({getattr(c, '__module__', '') for c in bound})]))
-''')
+""")
 
 
 def test_cpu_runtime_falls_back_to_reference_kernels(tmp_path):

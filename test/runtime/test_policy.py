@@ -208,7 +208,7 @@ def test_a_user_module_on_another_device_is_a_config_error(make_runtime):
     module = GRUPolicy()
     module.head.to('meta')  # any device but the runtime's: the CUDA recipe left on the CPU
     adapter = ModulePolicyAdapter(module, PolicySpec(3, 2, 4), max_steps=128)
-    with pytest.raises(ConfigError, match=r"on meta but the runtime runs on cpu.*module\.to"):
+    with pytest.raises(ConfigError, match=r'on meta but the runtime runs on cpu.*module\.to'):
         make_runtime('user:gru-policy', adapter=adapter)
 
 
