@@ -9,19 +9,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAT_KEYS = {'median', 'p10', 'p90', 'n'}
 
 
-def test_bench_quick_subset_writes_schema_and_correctness(tmp_path):
+def _bench(tmp_path, name, only, lengths, first_on_path=None):
+    """Run the bench on the tiny model in a subprocess; return its output and its JSON."""
     env = dict(os.environ)
     # The installed package first (when env.sh is sourced), the source tree as a fallback.
-    env['PYTHONPATH'] = os.pathsep.join(p for p in (env.get('PYTHONPATH'), ROOT) if p)
-    cmd = [sys.executable, '-m', 'flashrt_ros.bench', '--quick', '--only', 'fig1,fig3',
-           '--model', 'builtin:tiny-hybrid', '--lengths', '128', '256', '--repeats', '1',
-           '--out', str(tmp_path), '--name', 'smoke']
+    env['PYTHONPATH'] = os.pathsep.join(
+        p for p in (first_on_path, env.get('PYTHONPATH'), ROOT) if p)
+    cmd = [sys.executable, '-m', 'flashrt_ros.bench', '--quick', '--only', only,
+           '--model', 'builtin:tiny-hybrid', '--lengths', *lengths, '--repeats', '1',
+           '--out', str(tmp_path), '--name', name]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / f'{name}.json') as f:
+        return proc.stdout + proc.stderr, json.load(f)
 
-    with open(tmp_path / 'smoke.json') as f:
-        data = json.load(f)
+
+def test_bench_quick_subset_writes_schema_and_correctness(tmp_path):
+    _, data = _bench(tmp_path, 'smoke', 'fig1,fig3', ['128', '256'])
     assert {'machine', 'device', 'model', 'plan', 'figures'} <= set(data)
     assert data['machine']['torch'] and data['machine']['transformers']
     assert data['device']['type'] == 'cpu'
@@ -75,24 +80,15 @@ def test_bench_runs_fig1_without_rclpy_and_matplotlib(tmp_path):
     site = tmp_path / 'site'
     site.mkdir()
     (site / 'sitecustomize.py').write_text(BLOCKER)
-    env = dict(os.environ)
-    env['PYTHONPATH'] = os.pathsep.join(
-        p for p in (str(site), env.get('PYTHONPATH'), ROOT) if p)
+    env = dict(os.environ, PYTHONPATH=str(site))
     check = subprocess.run([sys.executable, '-c', 'import rclpy'], env=env,
                            capture_output=True, text=True, timeout=60)
     assert check.returncode != 0 and 'blocked by this test' in check.stderr
-    cmd = [sys.executable, '-m', 'flashrt_ros.bench', '--quick', '--only', 'fig1',
-           '--model', 'builtin:tiny-hybrid', '--lengths', '128', '--repeats', '1',
-           '--out', str(tmp_path), '--name', 'noros']
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    with open(tmp_path / 'noros.json') as f:
-        data = json.load(f)
+    output, data = _bench(tmp_path, 'noros', 'fig1', ['128'], first_on_path=str(site))
     assert list(data['figures']) == ['fig1'] and data['figures']['fig1']['rows']
     assert data['model']['kernels'] and all(
         k.endswith(':reference') for k in data['model']['kernels'])  # a CPU runtime's
-    assert data['plots'] == {} and 'no plots' in proc.stdout + proc.stderr
+    assert data['plots'] == {} and 'no plots' in output
 
 
 def test_arch_check_knows_which_builds_run_on_a_device():
