@@ -13,9 +13,11 @@ setup(
     license='Apache-2.0',
     packages=find_packages(include=['flashrt_ros', 'flashrt_ros.*']),
     python_requires='>=3.10',
-    # torch is deliberately unpinned here: install the build that fits the machine
-    # (CPU, CUDA, JetPack) first; `make setup` pins the CPU build.
+    # torch is deliberately loose here: install the build that fits the machine (CPU, CUDA,
+    # JetPack) first; `make setup` pins the CPU build. The CUDA path (graph capture, pinned
+    # and device capsules) is written for torch 2.12 to 2.13; on an older torch a CUDA
+    # runtime decodes eagerly (engine.MIN_GRAPH_TORCH) and the 'cuda' extra asks for it.
     install_requires=['torch>=2.4', 'transformers>=5.24,<6', 'safetensors', 'numpy', 'pyyaml'],
-    extras_require={'bench': ['matplotlib']},
+    extras_require={'bench': ['matplotlib'], 'cuda': ['torch>=2.12,<2.14']},
     entry_points={'console_scripts': ['flashrt_node = flashrt_ros.node:main']},
 )

@@ -9,19 +9,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAT_KEYS = {'median', 'p10', 'p90', 'n'}
 
 
-def test_bench_quick_subset_writes_schema_and_correctness(tmp_path):
+def _bench(tmp_path, name, only, lengths, first_on_path=None):
+    """Run the bench on the tiny model in a subprocess; return its output and its JSON."""
     env = dict(os.environ)
     # The installed package first (when env.sh is sourced), the source tree as a fallback.
-    env['PYTHONPATH'] = os.pathsep.join(p for p in (env.get('PYTHONPATH'), ROOT) if p)
-    cmd = [sys.executable, '-m', 'flashrt_ros.bench', '--quick', '--only', 'fig1,fig3',
-           '--model', 'builtin:tiny-hybrid', '--lengths', '128', '256', '--repeats', '1',
-           '--out', str(tmp_path), '--name', 'smoke']
+    env['PYTHONPATH'] = os.pathsep.join(
+        p for p in (first_on_path, env.get('PYTHONPATH'), ROOT) if p)
+    cmd = [sys.executable, '-m', 'flashrt_ros.bench', '--quick', '--only', only,
+           '--model', 'builtin:tiny-hybrid', '--lengths', *lengths, '--repeats', '1',
+           '--out', str(tmp_path), '--name', name]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / f'{name}.json') as f:
+        return proc.stdout + proc.stderr, json.load(f)
 
-    with open(tmp_path / 'smoke.json') as f:
-        data = json.load(f)
+
+def test_bench_quick_subset_writes_schema_and_correctness(tmp_path):
+    _, data = _bench(tmp_path, 'smoke', 'fig1,fig3', ['128', '256'])
     assert {'machine', 'device', 'model', 'plan', 'figures'} <= set(data)
     assert data['machine']['torch'] and data['machine']['transformers']
     assert data['device']['type'] == 'cpu'
@@ -54,3 +59,47 @@ def test_bench_quick_subset_writes_schema_and_correctness(tmp_path):
 
     assert (tmp_path / 'smoke-fig1.png').is_file() and (tmp_path / 'smoke-fig3.png').is_file()
     assert (tmp_path / 'smoke.md').is_file()
+
+
+BLOCKER = """
+import sys
+
+
+class Blocked:  # rclpy and matplotlib unimportable, as on a GPU image without ROS or plots
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('rclpy', 'matplotlib'):
+            raise ImportError(f'{name} is blocked by this test')
+        return None
+
+
+sys.meta_path.insert(0, Blocked())
+"""
+
+
+def test_bench_runs_fig1_without_rclpy_and_matplotlib(tmp_path):
+    site = tmp_path / 'site'
+    site.mkdir()
+    (site / 'sitecustomize.py').write_text(BLOCKER)
+    env = dict(os.environ, PYTHONPATH=str(site))
+    check = subprocess.run([sys.executable, '-c', 'import rclpy'], env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode != 0 and 'blocked by this test' in check.stderr
+    output, data = _bench(tmp_path, 'noros', 'fig1', ['128'], first_on_path=str(site))
+    assert list(data['figures']) == ['fig1'] and data['figures']['fig1']['rows']
+    assert data['model']['kernels'] and all(
+        k.endswith(':reference') for k in data['model']['kernels'])  # a CPU runtime's
+    assert data['plots'] == {} and 'no plots' in output
+
+
+def test_arch_check_knows_which_builds_run_on_a_device():
+    from flashrt_ros.bench.gpu_env import arch_supported
+
+    cu128 = ['sm_75', 'sm_80', 'sm_86', 'sm_90', 'sm_100', 'sm_120', 'compute_120']
+    assert arch_supported((8, 9), cu128)  # an sm_86 cubin runs on 8.9
+    assert arch_supported((12, 1), cu128)
+    assert not arch_supported((11, 0), ['sm_80', 'sm_90', 'sm_100', 'sm_120'])  # Thor
+    assert arch_supported((11, 0), ['sm_90', 'sm_100', 'sm_110', 'sm_120'])
+    assert arch_supported((11, 0), ['sm_90', 'compute_100'])  # PTX: the driver compiles it
+    assert not arch_supported((9, 0), ['sm_100a', 'compute_100'])  # PTX never runs backward
+    assert not arch_supported((10, 3), ['sm_100a']) and arch_supported((10, 0), ['sm_100a'])
+    assert not arch_supported((8, 0), [])

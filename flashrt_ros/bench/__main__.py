@@ -6,6 +6,7 @@ Writes <out>/<name>.json (environment, model, every figure's median, p10/p90 and
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -28,9 +29,7 @@ from .figures import (
     Plan,
 )
 from .measure import BENCH_MODEL
-from .plots import plot_all
 from .report import to_markdown, to_text
-from .through_ros import fig5_through_ros
 
 FIGURES = ('fig1', 'fig2', 'fig3', 'fig4', 'fig5', 'fig6')
 FULL_LENGTHS = [512, 1024, 2048, 4096, 8192, 16384]
@@ -42,6 +41,9 @@ def parse_args(argv=None):
                                 description=__doc__.strip().split('\n')[0])
     p.add_argument('--quick', action='store_true',
                    help='small lengths, few repeats: a CI smoke run (< 3 min on 2 cores)')
+    p.add_argument('--smoke', action='store_true',
+                   help='--quick with the fewest samples that still run every figure (a dry '
+                        'run of the scripts; its numbers mean nothing)')
     p.add_argument('--model', default=BENCH_MODEL,
                    help='built-in id or local checkpoint directory (default %(default)s)')
     p.add_argument('--device', default='cpu', help='cpu, cuda or cuda:N')
@@ -74,16 +76,20 @@ def parse_args(argv=None):
 
 
 def make_plan(args, workdir):
-    quick = args.quick
+    quick = args.quick or args.smoke
     lengths = sorted(set(args.lengths or (QUICK_LENGTHS if quick else FULL_LENGTHS)))
     repeats = args.repeats or (2 if quick else 5)
-    return Plan(
+    plan = Plan(
         quick=quick, lengths=lengths, sizes=sorted({64} | set(lengths)), repeats=repeats,
         fast_repeats=6 * repeats, budget_s=args.budget_s or (20.0 if quick else 150.0),
         decode_steps=16 if quick else 32, decode_rounds=max(4, 4 * repeats),
         correctness_steps=64,
         round_trips=50 if quick else 500, interrupts=20 if quick else 200,
         node_model=args.node_model, workdir=workdir)
+    if args.smoke:
+        plan = dataclasses.replace(plan, decode_steps=4, decode_rounds=2, correctness_steps=12,
+                                   round_trips=5, interrupts=3)
+    return plan
 
 
 def build_runtime(args, plan):
@@ -104,6 +110,8 @@ def run_figure(key, rt, args, plan, log):
     log(f'{key} ...')
     try:
         if key == 'fig5':
+            from .through_ros import fig5_through_ros  # imports rclpy: only fig5 needs ROS
+
             result = fig5_through_ros(plan, args.device, log)
         else:
             fn = {'fig1': fig1_snapshot_restore, 'fig2': fig2_ttft, 'fig3': fig3_correctness,
@@ -119,6 +127,16 @@ def run_figure(key, rt, args, plan, log):
     result['cpu'] = cpu_usage(before, after)
     log(f'{key} done in {result["elapsed_s"]:.1f} s; CPU: {result["cpu"]}')
     return result
+
+
+def write_plots(results, directory, name, log):
+    """Draw the PNGs if matplotlib is installed (a GPU image may lack it); return their paths."""
+    try:
+        from .plots import plot_all
+    except ImportError as exc:
+        log(f'no plots: {exc} (pip install matplotlib, then redraw them from the JSON)')
+        return {}
+    return plot_all(results, directory, name)
 
 
 def main(argv=None):
@@ -156,7 +174,7 @@ def main(argv=None):
         shutil.rmtree(workdir, ignore_errors=True)
     results['machine']['loadavg_end'] = list(os.getloadavg())
     results['elapsed_s'] = log.elapsed()
-    results['plots'] = plot_all(results, args.plots or args.out, name)
+    results['plots'] = write_plots(results, args.plots or args.out, name, log)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f'{name}.json')
     with open(path, 'w') as f:

@@ -174,5 +174,6 @@ def model_info(rt):
         'components': rt.components,
         'cuda_graph': stats.cuda_graph,
         'cuda_graph_note': stats.cuda_graph_note,
+        'kernels': list(stats.kernels),
         'config': {k: getattr(config, k) for k in keys if hasattr(config, k)},
     }

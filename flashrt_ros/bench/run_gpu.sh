@@ -10,8 +10,9 @@
 #   FLASHRT_FLA=1       also install flash-linear-attention (Triton kernels for the linear-
 #                       attention layers; without them transformers runs its slow reference
 #                       torch code, which makes cold prefill slower and the TTFT speedup larger)
-#   TORCH_CUDA_INDEX    where to get a CUDA torch if the venv's is CPU-only
-#                       (default https://download.pytorch.org/whl/cu128)
+#   TORCH_CUDA_INDEX    where to get a CUDA torch if the venv's cannot run on this GPU
+#                       (default: cu130 for Thor or a CUDA 13 driver, else cu128; a Jetson
+#                       before Thor is told to use JetPack's torch)
 #   FLASHRT_GPU_BUDGET_S  seconds for the whole script (default 570: under 10 minutes)
 set -euo pipefail
 
@@ -31,15 +32,37 @@ log "set-up (make setup)"
 make setup
 vpy="$root/.venv/bin/python"
 
-# 2. A CUDA build of torch. The pin torch==2.13.0 resolves to the CUDA build from the package
-#    index on Linux x86_64, but to the CPU build where a local +cpu wheel is offered.
-if ! "$vpy" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-  log "the venv's torch has no CUDA; installing torch==2.13.0 from ${TORCH_CUDA_INDEX:-https://download.pytorch.org/whl/cu128}"
+# 2. A torch with kernels for this GPU. torch.cuda.is_available() is not enough: a wheel
+#    built without this device's capability reports available and fails at the first kernel,
+#    so gpu_env checks the capability against torch.cuda.get_arch_list() and runs one.
+usable() { PYTHONPATH="$root" "$vpy" -m flashrt_ros.bench.gpu_env --device cuda --no-sdpa \
+  --out "$results/gpu-env.json" > "$results/gpu-env.log" 2>&1; }
+cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d ' ' || true)
+driver_cuda=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -n1 || true)
+if [ -f /etc/nv_tegra_release ] && [ "$cap" != 11.0 ]; then
+  # Jetson before Thor (Orin: sm_87): the package index's aarch64 wheels are for server GPUs.
+  wheel_index=""
+elif [ "$cap" = 11.0 ] || [ "${driver_cuda:-0}" -ge 13 ]; then
+  wheel_index=https://download.pytorch.org/whl/cu130  # Thor (sm_110) needs CUDA 13
+else
+  wheel_index=https://download.pytorch.org/whl/cu128
+fi
+wheel_index=${TORCH_CUDA_INDEX:-$wheel_index}
+if ! usable; then
+  if [ -z "$wheel_index" ]; then
+    cat "$results/gpu-env.log" >&2
+    echo "this Jetson needs JetPack's torch (a pip wheel has no kernels for sm_${cap/./}):" \
+      "install it as NVIDIA's JetPack docs say, then run the probe with the system Python:" \
+      "PYTHON=/usr/bin/python3 bash flashrt_ros/bench/gpu_probe.sh" >&2
+    exit 1
+  fi
+  log "the venv's torch cannot run kernels on this GPU (capability ${cap:-?}, driver CUDA" \
+    "${driver_cuda:-?}); installing torch==2.13.0 from $wheel_index"
   "$vpy" -m pip uninstall -y --quiet torch
   PIP_FIND_LINKS= "$vpy" -m pip install --quiet --disable-pip-version-check "torch==2.13.0" \
-    --index-url "${TORCH_CUDA_INDEX:-https://download.pytorch.org/whl/cu128}"
+    --index-url "$wheel_index"
+  usable || { cat "$results/gpu-env.log" >&2; echo "torch still cannot run on this GPU" >&2; exit 1; }
 fi
-"$vpy" -c 'import torch; assert torch.cuda.is_available(), "torch still sees no GPU"'
 if [ "${FLASHRT_FLA:-0}" = 1 ]; then
   log "installing flash-linear-attention (best effort)"
   "$vpy" -m pip install --quiet --disable-pip-version-check flash-linear-attention ||

@@ -15,6 +15,7 @@ the chunk's queue of not-yet-executed actions kept in the arena. It runs eagerly
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
@@ -24,6 +25,44 @@ from .state.arena import StateSpec
 
 PREFILL_CHUNK = 2048  # tokens per prefill forward: bounds activation memory for long prompts
 WARMUP_STEPS = 3  # eager steps on a side stream before capture (lazy inits, allocator)
+# Older torch releases leave the caching allocator broken after a failed capture (every
+# later empty_cache() asserts), so a capture is only tried from this release on.
+MIN_GRAPH_TORCH = (2, 12)
+GRAPH_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-6}  # others (bf16, fp16): 1e-2
+
+
+def graph_refusal(version: str) -> str | None:
+    """Say why decode steps are not captured on torch `version` (None: they may be)."""
+    release = tuple(int(n) for n in re.findall(r'\d+', version.split('+')[0])[:2])
+    if release >= MIN_GRAPH_TORCH:
+        return None
+    least = '.'.join(map(str, MIN_GRAPH_TORCH))
+    return (f'disabled: torch {version} is older than {least}, where a failed capture breaks '
+            f'the caching allocator; running eager (install torch>={least} for CUDA graphs)')
+
+
+def replay_mismatch(replay, step, views: dict[str, torch.Tensor]) -> str | None:
+    """
+    Run `replay` and `step` from the same state; say where their states differ (None: nowhere).
+
+    Leaves the views as `step` left them; the caller puts the state back.
+    """
+    before = {name: v.clone() for name, v in views.items()}
+    replay()
+    replayed = {name: v.clone() for name, v in views.items()}
+    for name, v in views.items():
+        v.copy_(before[name])
+    step()
+    for name, v in views.items():
+        a, b = replayed[name], v
+        if not a.dtype.is_floating_point:
+            if not torch.equal(a, b):
+                return f'{name} differs'
+            continue
+        tol = GRAPH_TOLERANCE.get(a.dtype, 1e-2)
+        if not torch.allclose(a.float(), b.float(), rtol=tol, atol=tol, equal_nan=True):
+            return f'{name} differs by up to {float((a.float() - b.float()).abs().max()):.3g}'
+    return None
 
 
 class Engine:
@@ -47,6 +86,9 @@ class Engine:
             # freeze one branch. Run them eagerly rather than risk a wrong step.
             self.cuda_graphs = False
             self.graph_error = 'disabled: sliding-window layers branch on host state'
+        if self.cuda_graphs and graph_refusal(torch.__version__):
+            self.cuda_graphs = False
+            self.graph_error = graph_refusal(torch.__version__)
 
     @staticmethod
     def state_specs(vocab_size: int, max_seq_len: int) -> list[StateSpec]:
@@ -86,12 +128,12 @@ class Engine:
             self._step(kv_len=position + 1)
 
     @torch.inference_mode()
-    def capture(self) -> bool:
+    def capture(self, views: dict[str, torch.Tensor]) -> bool:
         """
-        Capture the decode step in a CUDA graph.
+        Capture the decode step in a CUDA graph, then check one replay against an eager step.
 
-        The caller saves and restores the state around this call: warm-up and capture both
-        advance it.
+        `views` is all the state the step touches. The caller saves and restores it around
+        this call: warm-up, capture and the check all advance it.
         """
         if not self.cuda_graphs or self.graph is not None:
             return self.graph is not None
@@ -113,7 +155,14 @@ class Engine:
                 with torch.cuda.graph(graph, stream=stream, capture_error_mode='thread_local'):
                     self._step()
                 torch.cuda.synchronize(self.device)
-                self.graph, self.graph_error = graph, None
+                # A wrong graph would decode wrong tokens silently: compare it once.
+                mismatch = replay_mismatch(graph.replay, self._step, views)
+                if mismatch is None:
+                    self.graph, self.graph_error = graph, None
+                else:
+                    self.cuda_graphs = False
+                    self.graph_error = (f'disabled: one replay of the captured step does not '
+                                        f'match an eager step ({mismatch}); running eager')
             except Exception as exc:  # e.g. a host sync inside the model: stay eager, say why
                 self.graph = None
                 self.graph_error = f'capture failed, running eager: {exc!r}'[:500]

@@ -45,6 +45,8 @@ def control_step(rt, observations: torch.Tensor, t0: float) -> ActionChunk:
         raise
     cursor.position += len(observations)
     rt._commit()
+    if rt._cuda:  # the commit's copy is queued, not done: bill it to this step
+        torch.cuda.synchronize(rt.device)
     rt._control_step_s = time.perf_counter() - t0
     return ActionChunk(cursor.position, actions, rt.adapter.spec.joint_names,
                        rt._control_step_s)

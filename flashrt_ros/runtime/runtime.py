@@ -93,6 +93,7 @@ class Runtime:
         if adapter is None:
             load = load_policy if is_policy_model(config.model) else load_adapter
             adapter = load(config.model, self.device, self.dtype, config.max_seq_len)
+        adapter.check_device(self.device)  # a user's module may still be elsewhere
         self.adapter = adapter
         self.is_policy = isinstance(adapter, PolicyAdapter)
         self.tokenizer = getattr(adapter, 'tokenizer', None)
@@ -173,6 +174,12 @@ class Runtime:
                 'queue need a policy model (e.g. builtin:tiny-policy)'
             )
 
+    def _clock(self) -> float:
+        """Start a latency clock; on CUDA after the work already queued (a turn's commit)."""
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
     def _commit(self) -> None:
         """Mark the live state as a committed boundary (push it on the rollback ring)."""
         if self.ring.depth > 0:
@@ -203,7 +210,7 @@ class Runtime:
                     self.engine.decode(0, 1)
                 if self.config.cuda_graphs and self._cuda and not self.is_policy:
                     self.arena.zero_()
-                    self.engine.capture()
+                    self.engine.capture(self.arena.views)
             finally:
                 self.arena.zero_()  # whatever rows the throwaway steps wrote
                 self.codec.apply(saved)  # the prefix is back: the lineage goes on
@@ -357,7 +364,7 @@ class Runtime:
         """Capture the live state as capsule `name` (at the next step boundary if generating)."""
         validate_name(name)
         validate_tier(tier)
-        t0 = time.perf_counter()
+        t0 = self._clock()
         with self._lock:
             self._check_open()
             cap = self.codec.capture(name, tier, pinned=bool(pinned))
@@ -375,7 +382,7 @@ class Runtime:
         of raising BusyError (preemption.py); the capsule is fetched and checked before
         anything is stopped, so a bad one leaves the generation running.
         """
-        t0 = time.perf_counter()
+        t0 = self._clock()
         if mode not in RESTORE_MODES:
             raise InvalidRequestError(
                 f"restore mode {mode!r} is not valid; use one of {', '.join(RESTORE_MODES)}"
@@ -555,6 +562,7 @@ class Runtime:
             cuda_graph=bool(not closed and self.engine.graph is not None),
             cuda_graph_note=None if closed else self.engine.graph_error,
             cuda_graph_replays=0 if closed else self.engine.replays,
+            kernels=() if closed else tuple(self.adapter.kernels),
             control_step_s=self._control_step_s if self.is_policy else None,
             disk_temp_bytes=temp_bytes,
         )

@@ -50,6 +50,9 @@ class RuntimeStats:
     cuda_graph: bool  # whether a captured graph runs the decode step
     cuda_graph_note: str | None  # why not, when it does not
     cuda_graph_replays: int
+    # 'function:package' per fast-kernel binding of the model's transformers code
+    # ('function:reference' where its torch code runs: every one on CPU); () when none
+    kernels: tuple[str, ...]
     control_step_s: float | None = None  # the last act() (policy mode; None for an LM)
     # Temp files in capsule_dir: disk writes in progress, or left by a killed process until
     # a sweep removes them (counted in the disk tier's bytes_used)
@@ -58,6 +61,7 @@ class RuntimeStats:
     def to_dict(self) -> dict:
         """Return the nested dict of JSON values (an LM's has no control_step_s)."""
         out = dataclasses.asdict(self)
+        out['kernels'] = list(self.kernels)
         if self.control_step_s is None:
             del out['control_step_s']
         return out

@@ -255,7 +255,7 @@ def test_diagnostics(client):
     values = received[0]
     for key in ('state_bytes', 'device_capsules', 'device_bytes_used', 'host_capsules',
                 'disk_capsules', 'last_restore_ms', 'p99_restore_ms', 'last_restore_copied_bytes',
-                'decode_tokens_per_s'):
+                'decode_tokens_per_s', 'kernels'):
         assert key in values, key
     assert int(values['state_bytes']) > 0 and int(values['device_capsules']) >= 1
     assert values['lifecycle_state'] == 'active'

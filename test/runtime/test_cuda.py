@@ -4,7 +4,8 @@ from conftest import greedy, PROMPT
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')]
 
 
 @pytest.mark.parametrize(

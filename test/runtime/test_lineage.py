@@ -53,14 +53,17 @@ def test_sibling_branch_and_reset_copy_everything(make_runtime):
     assert rt.stats().last_restore_copied_bytes == b.nbytes
 
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
+CUDA = [pytest.mark.cuda,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')]
 
 
-@pytest.mark.parametrize('seed,device,back', [(0, 'cpu', 1), (1, 'cpu', 1), (2, 'cpu', 1),
-                                              (4, 'cpu', 3), (5, 'cpu', 3),
-                                              pytest.param(3, 'cuda', 3, marks=CUDA)])
+@pytest.mark.parametrize('seed,device,dtype,back', [
+    (0, 'cpu', 'float32', 1), (1, 'cpu', 'float32', 1), (2, 'cpu', 'float32', 1),
+    (4, 'cpu', 'float32', 3), (5, 'cpu', 'float32', 3),
+    pytest.param(3, 'cuda', 'float32', 3, marks=CUDA),
+    pytest.param(6, 'cuda', 'bfloat16', 3, marks=CUDA)])
 def test_random_operations_match_a_runtime_that_always_copies_everything(
-        make_runtime, tmp_path, seed, device, back):
+        make_runtime, tmp_path, seed, device, dtype, back):
     """
     Prefill, generate, snapshot (every tier), restore (full and kv_only), fork, rollback.
 
@@ -68,9 +71,13 @@ def test_random_operations_match_a_runtime_that_always_copies_everything(
     resets of other branches.
     """
     fast = make_runtime(max_seq_len=160, rollback_depth=3, capsule_dir=str(tmp_path / 'a'),
-                        device=device)
+                        device=device, dtype=dtype)
     slow = _full_copy_only(make_runtime(max_seq_len=160, rollback_depth=3, device=device,
-                                        capsule_dir=str(tmp_path / 'b')))
+                                        dtype=dtype, capsule_dir=str(tmp_path / 'b')))
+    if device == 'cuda':  # graphs live: every decode replays over the restored bytes
+        fast.warmup()
+        slow.warmup()
+        assert fast.stats().cuda_graph, fast.stats().cuda_graph_note
     rng = random.Random(seed)
     names, skipped = [], 0
     for step in range(60):

@@ -3,7 +3,7 @@
 import json
 import math
 
-from flashrt_ros.runtime import FlashRTError, InvalidRequestError
+from flashrt_ros.runtime import ConfigError, FlashRTError, InvalidRequestError
 from flashrt_ros.runtime.models import ModulePolicyAdapter, PolicySpec, save_policy
 from flashrt_ros.runtime.state.arena import StateSpec
 import pytest
@@ -159,8 +159,6 @@ def test_local_checkpoint_loads_the_same_policy(policy, make_runtime, tmp_path):
 
 
 def test_bad_policy_checkpoint_is_a_config_error(make_runtime, tmp_path):
-    from flashrt_ros.runtime import ConfigError
-
     (tmp_path / 'policy.json').write_text('{"obs_dim": 4, "action_dim": 0, "horizon": 8}')
     with pytest.raises(ConfigError, match='action_dim'):
         make_runtime(str(tmp_path))
@@ -204,6 +202,36 @@ def test_a_user_module_gets_the_same_capsule_guarantees(make_runtime):
     rt.reset()
     assert rt.state_digest() == empty
     assert math.isclose(float(module.h.abs().sum()), 0.0)
+
+
+def test_a_user_module_on_another_device_is_a_config_error(make_runtime):
+    module = GRUPolicy()
+    module.head.to('meta')  # any device but the runtime's: the CUDA recipe left on the CPU
+    adapter = ModulePolicyAdapter(module, PolicySpec(3, 2, 4), max_steps=128)
+    with pytest.raises(ConfigError, match=r'on meta but the runtime runs on cpu.*module\.to'):
+        make_runtime('user:gru-policy', adapter=adapter)
+
+
+class Integrator(torch.nn.Module):
+    """A policy without parameters: it sums its observations into its state."""
+
+    def state_specs(self, max_steps):
+        return [StateSpec('sum', 'recurrent', (3,), torch.float32)]
+
+    def bind(self, views):
+        self.sum = views['sum']
+
+    def forward(self, observations, position, generator):
+        self.sum.add_(observations.sum(0))
+        return self.sum[:2].expand(4, 2)
+
+
+def test_a_module_without_parameters_runs_on_the_runtimes_device(make_runtime):
+    adapter = ModulePolicyAdapter(Integrator(), PolicySpec(3, 2, 4), max_steps=16)
+    assert adapter.device is None  # not a CPU module: it has nothing on any device
+    rt = make_runtime('user:integrator', adapter=adapter)
+    assert adapter.device == rt.device
+    assert rt.act([1.0, 2.0, 3.0]).actions[0].tolist() == [1.0, 2.0]
 
 
 class Counter(GRUPolicy):

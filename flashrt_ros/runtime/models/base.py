@@ -23,10 +23,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+import itertools
 from typing import Any
 
 import torch
 
+from ..errors import ConfigError
 from ..state.arena import StateSpec
 
 
@@ -40,6 +42,7 @@ class StateAdapter(ABC):
     # read their argument (never keep or change it): the runtime then skips the copies that
     # keep a capsule's meta apart from the adapter's objects.
     meta_trusted: bool = False
+    kernels: tuple[str, ...] = ()  # fast-kernel bindings in use (models/kernels.py)
 
     @abstractmethod
     def state_specs(self) -> list[StateSpec]:
@@ -71,6 +74,18 @@ class StateAdapter(ABC):
     @abstractmethod
     def fingerprint(self) -> str:
         """Hex digest identifying weights, config and dtype (not the state layout)."""
+
+    def check_device(self, device: torch.device) -> None:
+        """Raise ConfigError unless the adapter's modules hold every tensor on `device`."""
+        found = {t.device for m in vars(self).values() if isinstance(m, torch.nn.Module)
+                 for t in itertools.chain(m.parameters(), m.buffers())}
+        elsewhere = sorted(str(d) for d in found if d != device)
+        if elsewhere:
+            raise ConfigError(
+                f'the model has parameters or buffers on {", ".join(elsewhere)} but the '
+                f'runtime runs on {device}: move the module first (module.to({str(device)!r}))'
+                ' or set the config device to where it is')
+        self.device = device  # also a module without parameters runs where the runtime does
 
     def prepare_capture(self) -> None:
         """

@@ -13,6 +13,7 @@ import torch
 
 from .base import CausalLMAdapter
 from .binding import BindingDelegate, CacheBinding, module_fingerprint, PROBE_TOKENS
+from .kernels import route_kernels
 from ..errors import ConfigError
 from ..state.arena import StateSpec
 from ..tokenizer import ByteTokenizer, HFTokenizer
@@ -52,6 +53,7 @@ class HFCausalLMAdapter(BindingDelegate, CausalLMAdapter):
         self.max_seq_len = max_seq_len
         first = next(self.model.parameters())
         self.device, self.dtype = first.device, first.dtype
+        self.kernels = route_kernels(self.model, self.device)  # before the probe runs them
         self.binding = CacheBinding(self.model.config, max_seq_len, self.family, self._probe)
         self.cache = self.binding.cache
 

@@ -75,6 +75,7 @@ import torch
 from .base import PolicyAdapter, PolicySpec
 from .binding import BindingDelegate, CacheBinding, module_fingerprint, PROBE_TOKENS
 from .builtin import POLICY_BUILTINS, SEED
+from .kernels import route_kernels
 from ..errors import ConfigError, FlashRTError
 from ..state.arena import StateSpec
 
@@ -209,8 +210,10 @@ class ModulePolicyAdapter(PolicyAdapter):
             p.requires_grad_(False)
         self.spec, self.max_steps, self.model_id = spec, max_steps, model_id
         first = next(self.module.parameters(), None)
-        self.device = first.device if first is not None else torch.device('cpu')
+        self.device = first.device if first is not None else None  # the runtime sets it
         self.dtype = first.dtype if first is not None else torch.float32
+        if first is not None:  # before state_specs() probes a transformers backbone
+            self.kernels = route_kernels(self.module, self.device)
         self.family = 'policy/' + str(getattr(module, 'family', type(module).__name__))
         self._identity = identity or {'module': type(module).__qualname__,
                                       'spec': dataclasses.asdict(spec)}
