@@ -11,10 +11,14 @@ from reliability_harness import growth, HOME, proc_figures, running_node, wait_r
 RUNTIME_CYCLES = 10_000
 ROS_CYCLES = 2_000
 # Growth allowed from the sample after warm-up to the last one. Measured growth (see
-# docs/benchmarks.md, Reliability) is a few hundred KB at most: the allocator's high-water
-# mark settling, not a leak (a leak of one 69 KB capsule per cycle would be 600 MB here).
+# docs/benchmarks.md, Reliability) is under 2 MB: allocator and DDS buffers settling, not a
+# leak (one 69 KB capsule leaked per cycle would be 680 MB over the runtime soak).
 RSS_TOLERANCE_KB = 8 * 1024
 ROS_RSS_TOLERANCE_KB = 16 * 1024  # rclpy/DDS buffers settle more slowly than the runtime
+# The node's MultiThreadedExecutor (6 workers) starts its pool threads lazily, one more each
+# time callbacks overlap: up to 6 may appear after warm-up; a thread leaked per call would
+# be hundreds.
+ROS_THREADS_TOLERANCE = 6
 FIGURES = os.environ.get('FLASHRT_RELIABILITY_FIGURES')  # a JSON-lines file for the docs
 
 
@@ -81,4 +85,4 @@ def test_ros_soak(tmp_path, surroundings):
            after_warmup=samples[1], last=samples[-1])
     assert growth(samples, 'rss_kb') < ROS_RSS_TOLERANCE_KB, samples
     assert growth(samples, 'fds') <= 0, samples
-    assert growth(samples, 'threads') <= 0, samples
+    assert growth(samples, 'threads') <= ROS_THREADS_TOLERANCE, samples
