@@ -19,6 +19,8 @@ NODE_PARAMS = {
     'diagnostics_period': 1.0,
     'system_prompt': 'You are a helpful robot.',
 }
+POLICY_PARAMS = {'mode': 'policy', 'model': 'builtin:tiny-policy', 'max_seq_len': 256,
+                 'diagnostics_period': 1.0}
 
 
 def proc_figures(pid='self'):
@@ -85,14 +87,14 @@ def ros_ready():
 
 
 @contextlib.contextmanager
-def running_node(workdir, capsule_dir, **params):
-    """Start flashrt_node with NODE_PARAMS; yield (process, client) once it is active."""
+def running_node(workdir, capsule_dir, params=None):
+    """Start flashrt_node with `params` (NODE_PARAMS); yield (process, client) once active."""
     if not ros_ready():
         pytest.skip('rclpy, the generated interfaces or the installed flashrt_node are '
                     'missing; run through `make reliability`')
     from flashrt_ros.client import FlashRTClient
     from flashrt_ros.node_process import NodeProcess
-    proc = NodeProcess(str(workdir), dict(NODE_PARAMS, capsule_dir=str(capsule_dir), **params))
+    proc = NodeProcess(str(workdir), dict(params or NODE_PARAMS, capsule_dir=str(capsule_dir)))
     client = None
     try:
         client = FlashRTClient('flashrt', timeout=20.0)

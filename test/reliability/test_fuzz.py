@@ -6,7 +6,8 @@ import threading
 import time
 
 import pytest
-from reliability_harness import HOME, running_node, Surroundings, wait_restore_home
+from reliability_harness import HOME, POLICY_PARAMS, running_node, Surroundings
+from reliability_harness import wait_restore_home
 from test_soak import report
 
 REQUESTS = 500
@@ -168,3 +169,42 @@ def test_nul_name_is_not_truncated(node):
     response = node.snapshot('fz\0cut', 'disk')
     names = [c.name for c in node.list_capsules().capsules]
     assert 'fz' not in names, f'snapshot answered {response.success}: {response.message}'
+
+
+OBSERVATION_SIZES = [0, 1, 3, 4, 5, 1000]  # tiny-policy takes 4
+OBSERVATIONS = 120
+
+
+def test_fuzz_observations(tmp_path, surroundings):
+    rng = random.Random(SEED)
+    counts = {'refused': 0, 'stepped': 0}
+    with running_node(tmp_path / 'node', surroundings.capsule_dir, POLICY_PARAMS) as (_, client):
+        assert client.wait_for_subscribers(10.0)
+        outcomes, arrived = [], threading.Semaphore(0)
+
+        def add(kind):
+            def callback(message):
+                if kind == 'actions' or message.operation == 'observation':
+                    outcomes.append((kind, message))
+                    arrived.release()
+            return callback
+
+        subs = [client.subscribe_events(add('event')), client.subscribe_actions(add('actions'))]
+        time.sleep(0.5)  # let the subscriptions match the node's publishers
+        digest = wait_restore_home(client)
+        for _ in range(OBSERVATIONS):
+            values = [rng.choice([0.0, 0.5, -3.0, 1e38, math.nan, math.inf, -math.inf])
+                      for _ in range(rng.choice(OBSERVATION_SIZES))]
+            client.publish_observation(values)
+            assert arrived.acquire(timeout=10.0), f'no answer to observation {values[:8]!r}'
+            kind, message = outcomes[-1]
+            after = client.state_digest()
+            if kind == 'event':
+                counts['refused'] += 1
+                assert after == digest, f'refused observation changed the state: {message}'
+            else:
+                counts['stepped'] += 1
+            digest = after
+        for sub in subs:
+            client.node.destroy_subscription(sub)
+    report('fuzz_observations', observations=OBSERVATIONS, **counts)
