@@ -1,11 +1,15 @@
 # Fresh machine (Debian/Ubuntu x86_64, Python 3.10+, no ROS): `make demo`, `make test`.
-.PHONY: setup test demo demo-policy bench bench-quick lint clean
+.PHONY: setup test reliability demo demo-policy bench bench-quick lint clean
 
 setup:
 	bash scripts/bootstrap.sh
 
 test: setup
 	bash scripts/run_tests.sh
+
+# Soak, SIGKILL mid-write, full filesystem, racing clients and fuzz (minutes; not in `test`).
+reliability: setup
+	FLASHRT_RELIABILITY=1 bash scripts/run_tests.sh test/reliability -q
 
 lint: setup
 	bash scripts/run_tests.sh test/test_lint.py
