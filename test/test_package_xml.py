@@ -20,7 +20,8 @@ IMPORT_TO_KEY = {
     'pytest': 'python3-pytest',
     'catkin_pkg': 'python3-catkin-pkg',
 }
-LOCAL = {'flashrt_ros', 'conftest', 'node_harness', 'session_harness'}  # test helpers
+LOCAL = {'flashrt_ros', 'conftest', 'node_harness', 'session_harness', 'runtime_harness',
+         'reliability_harness', 'test_preemption', 'test_soak'}  # this repository's tests
 
 
 def _python_files():

@@ -37,6 +37,7 @@ import sys
 import threading
 
 from flashrt_ros.runtime import BusyError, FlashRTError
+from flashrt_ros.runtime.state.capsule import validate_name, validate_tier
 
 # The executor, the generation thread and torch share the GIL. While a turn decodes, a short
 # switch interval lets an interrupt be dispatched and preempt quickly; when idle, a longer one
@@ -370,7 +371,7 @@ class TurnScheduler:
                                      message=CANCELLED_UNSTARTED, position=position)
             turn.final = [], '', 'interrupted'
             return
-        failure = self.start_from(turn)
+        failure = self._check_save_as(turn.request) or self.start_from(turn)
         if failure:
             turn.fail(failure, self._rt.position)
             return
@@ -392,6 +393,18 @@ class TurnScheduler:
             success=success, message=message, text=res.text, token_ids=list(res.token_ids),
             stop_reason=res.stop_reason, time_to_first_token_ms=res.ttft_s * 1e3,
             tokens_per_second=res.tokens_per_s, position=self._rt.position)
+
+    @staticmethod
+    def _check_save_as(request):
+        """Refuse a bad save_as name or tier before the turn changes anything ('' if fine)."""
+        if not request.save_as:
+            return ''
+        try:
+            validate_name(request.save_as)
+            validate_tier(request.save_tier or 'device')
+        except FlashRTError as exc:
+            return f'save_as {request.save_as!r} refused before the turn: {exc}'
+        return ''
 
     def start_from(self, turn):
         """Restore the request's start_from capsule; return an error message or ''."""

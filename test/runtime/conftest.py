@@ -5,18 +5,6 @@ import warnings
 from flashrt_ros.runtime import Runtime, RuntimeConfig
 import pytest
 
-HYBRIDS = [
-    'builtin:tiny-hybrid',
-    'builtin:tiny-qwen3-5',
-    'builtin:tiny-lfm2',
-    'builtin:tiny-mamba2',
-]
-ATTENTION_ONLY = 'builtin:tiny-llama'
-FAMILIES = HYBRIDS + [ATTENTION_ONLY]
-DTYPES = ['float32', 'bfloat16']
-PROMPT = 'The robot arm picks up the red cube and'
-OTHER_PROMPT = 'zz 9071 something else entirely ###'
-
 warnings.filterwarnings('ignore', message='.*falling back to its reference PyTorch.*')
 
 
@@ -37,11 +25,3 @@ def make_runtime(tmp_path):
     for rt in made:
         if not rt._closed:
             rt.close()
-
-
-def greedy(rt, n=10, prompt=None, **kw):
-    """Token ids of one greedy turn with no stop conditions except the token count."""
-    kw.setdefault('stop', ())
-    kw.setdefault('eos', False)
-    gen = rt.generate(prompt=prompt, max_new_tokens=n, **kw)
-    return [ev.token_id for ev in gen]

@@ -9,7 +9,6 @@ import threading
 import time
 import weakref
 
-from conftest import greedy, OTHER_PROMPT, PROMPT
 from flashrt_ros.runtime import (
     BudgetExceededError,
     BusyError,
@@ -24,6 +23,7 @@ from flashrt_ros.runtime.state.disk import checksum, STALE_TEMP_S
 from flashrt_ros.runtime.state.memory import BlobPool
 from flashrt_ros.runtime.stats import TierStats
 import pytest
+from runtime_harness import greedy, OTHER_PROMPT, PROMPT
 from safetensors import safe_open
 from safetensors.torch import save
 import torch

@@ -1,7 +1,7 @@
 """A built-in model saved with save_pretrained loads through the local-path route unchanged."""
 
-from conftest import greedy, PROMPT
 from flashrt_ros.runtime.models import save_builtin
+from runtime_harness import greedy, PROMPT
 
 
 def test_local_checkpoint_behaves_like_the_builtin(make_runtime, tmp_path):

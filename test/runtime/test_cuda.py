@@ -1,7 +1,7 @@
 """CUDA-only checks: graph capture, device/host tiers on a GPU. Skipped without a GPU."""
 
-from conftest import greedy, PROMPT
 import pytest
+from runtime_harness import greedy, PROMPT
 import torch
 
 pytestmark = [pytest.mark.cuda,

@@ -7,9 +7,9 @@ test.
 
 import threading
 
-from conftest import FAMILIES, greedy, PROMPT
 from flashrt_ros.bench.gpu_env import sdpa_report
 import pytest
+from runtime_harness import FAMILIES, greedy, PROMPT
 from test_preemption import OTHER, test_preempting_a_long_prompt_cuts_its_prefill_short
 import torch
 

@@ -1,8 +1,8 @@
 """Guards around CUDA graphs a CPU can check: the torch release, the replay-vs-eager check."""
 
-from conftest import PROMPT
 from flashrt_ros.runtime.engine import graph_refusal, replay_mismatch
 import pytest
+from runtime_harness import PROMPT
 
 
 @pytest.mark.parametrize('version', ['2.12.0', '2.13.0+cpu', '2.13.0+cu130', '3.0.1'])

@@ -1,7 +1,7 @@
 """Restore exactness for every supported family and dtype, and the KV-only ablation."""
 
-from conftest import ATTENTION_ONLY, DTYPES, FAMILIES, greedy, HYBRIDS, OTHER_PROMPT, PROMPT
 import pytest
+from runtime_harness import ATTENTION_ONLY, DTYPES, FAMILIES, greedy, HYBRIDS, OTHER_PROMPT, PROMPT
 import torch
 
 

@@ -8,10 +8,10 @@ import sys
 import threading
 import time
 
-from conftest import greedy, PROMPT
 from flashrt_ros.runtime import BusyError, InvalidNameError, InvalidRequestError, TokenEvent
 from flashrt_ros.runtime import engine
 import pytest
+from runtime_harness import greedy, PROMPT
 
 
 def test_stream_events_and_result(make_runtime):

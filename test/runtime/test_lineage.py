@@ -8,10 +8,10 @@ after every operation.
 
 import random
 
-from conftest import greedy, PROMPT
 from flashrt_ros.runtime.models import ModulePolicyAdapter, PolicySpec
 from flashrt_ros.runtime.state.arena import StateSpec
 import pytest
+from runtime_harness import greedy, PROMPT
 import torch
 
 

@@ -2,9 +2,9 @@
 
 import threading
 
-from conftest import FAMILIES, greedy, PROMPT
 from flashrt_ros.runtime import CapsuleNotFoundError, InvalidRequestError
 import pytest
+from runtime_harness import FAMILIES, greedy, PROMPT
 
 OTHER = ' and then the arm moves on to the blue one'
 

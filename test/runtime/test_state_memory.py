@@ -1,8 +1,8 @@
 """Memory the runtime holds outside the capsule tiers: the rollback ring and warm-up."""
 
-from conftest import greedy, PROMPT
 from flashrt_ros.runtime import ConfigError, InvalidRequestError, RuntimeConfig
 import pytest
+from runtime_harness import greedy, PROMPT
 import torch
 
 

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 
-from conftest import greedy, PROMPT
 from flashrt_ros.runtime import (
     BudgetExceededError,
     CapsuleNotFoundError,
@@ -21,6 +20,7 @@ from flashrt_ros.runtime import (
 )
 from flashrt_ros.runtime.state import disk
 import pytest
+from runtime_harness import greedy, PROMPT
 from safetensors import safe_open
 from safetensors.torch import save
 import torch

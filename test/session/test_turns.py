@@ -245,3 +245,15 @@ def test_the_cancel_policy_never_undoes_an_interrupt(make_session, settings):
     note = session.interrupts.after_cancel(turn)
     assert note == 'interrupt policy skipped: a reset restored home during the turn'
     assert session.runtime.state_digest() == digest
+
+
+@pytest.mark.parametrize('save_as, save_tier', [('../x', ''), ('fine', 'gpu'), ('a\0b', '')])
+def test_a_bad_save_as_is_refused_before_the_turn_changes_anything(make_session, save_as,
+                                                                   save_tier):
+    session, out = make_session()
+    digest = session.runtime.state_digest()
+    turn = _start(session, _turn(save_as=save_as, save_tier=save_tier))
+    assert turn.done.wait(10.0)
+    assert not turn.result.success and 'refused before the turn' in turn.result.message
+    assert session.runtime.state_digest() == digest
+    assert out.finals()[-1]['stop_reason'] == 'error'
