@@ -274,21 +274,25 @@ def _resign(path):
 
 def test_with_a_capsule_key_only_its_capsules_are_restored(make_runtime, tmp_path, monkeypatch):
     key = _key_file(tmp_path, 'key')
-    keyed = make_runtime(capsule_key_file=key)
+
+    def make(key_file=None):
+        if key_file is None:
+            monkeypatch.delenv('FLASHRT_CAPSULE_KEY_FILE', raising=False)
+        else:
+            monkeypatch.setenv('FLASHRT_CAPSULE_KEY_FILE', key_file)
+        return make_runtime()
+
+    keyed = make(key)
     keyed.prefill(PROMPT)
     keyed.snapshot('keyed', tier='disk')
     digest = keyed.state_digest()
-    plain = make_runtime()
+    plain = make()
     plain.snapshot('plain', tier='disk')
     plain.restore('keyed')  # without a key: as before, the checksum alone
     assert plain.state_digest() == digest
-    monkeypatch.setenv('FLASHRT_CAPSULE_KEY_FILE', key)
-    by_env = make_runtime()
-    by_env.restore('keyed')
-    assert by_env.state_digest() == digest
-    other_key = make_runtime(capsule_key_file=_key_file(tmp_path, 'other'))
+    other_key = make(_key_file(tmp_path, 'other'))
     live = other_key.state_digest()
-    for rt, name in ((by_env, 'plain'), (other_key, 'keyed')):
+    for rt, name in ((keyed, 'plain'), (other_key, 'keyed')):
         with pytest.raises(CorruptCapsuleError, match='not written with this key'):
             rt.restore(name)
     assert other_key.state_digest() == live
@@ -299,11 +303,13 @@ def test_with_a_capsule_key_only_its_capsules_are_restored(make_runtime, tmp_pat
         keyed.restore('keyed')  # ...but not the MAC
 
 
-def test_a_bad_capsule_key_file_is_a_config_error(make_runtime, tmp_path):
+def test_a_bad_capsule_key_file_is_a_config_error(make_runtime, tmp_path, monkeypatch):
+    monkeypatch.setenv('FLASHRT_CAPSULE_KEY_FILE', str(tmp_path / 'missing'))
     with pytest.raises(ConfigError, match='cannot read the capsule key file'):
-        make_runtime(capsule_key_file=str(tmp_path / 'missing'))
+        make_runtime()
+    monkeypatch.setenv('FLASHRT_CAPSULE_KEY_FILE', _key_file(tmp_path, 'short', b'abc'))
     with pytest.raises(ConfigError, match='at least 16'):
-        make_runtime(capsule_key_file=_key_file(tmp_path, 'short', b'abc'))
+        make_runtime()
 
 
 @pytest.mark.parametrize('temperature', [1e-45, 1e-5, float('inf'), float('nan'), -1.0, '1'])

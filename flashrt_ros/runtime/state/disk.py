@@ -227,7 +227,7 @@ def read(name: str, path: Path, header_only: bool = False, key: bytes | None = N
         )
     if key is not None and not hmac.compare_digest(str(meta.get('mac', '')), mac(key, stored)):
         raise CorruptCapsuleError(
-            f'capsule {name!r} was not written with this key (capsule_key_file): its MAC '
+            f'capsule {name!r} was not written with this key ($FLASHRT_CAPSULE_KEY_FILE): its MAC '
             'is missing or wrong, so it is refused; take a new snapshot, or restore it in a '
             'runtime with the key that wrote it')
     cap.blob = blob
