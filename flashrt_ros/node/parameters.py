@@ -17,7 +17,7 @@ RUNTIME_PARAMS = tuple(f.name for f in dataclasses.fields(RuntimeConfig))
 # Set at start-up only: a peer on the DDS domain must not point the node at another model
 # or directory, change what it may hold, or unprotect the home capsule.
 READ_ONLY = ('model', 'device', 'capsule_dir', 'device_budget_bytes', 'host_budget_bytes',
-             'disk_budget_bytes', 'home_capsule', 'protect_home', 'capsule_key_file')
+             'disk_budget_bytes', 'home_capsule', 'protect_home')
 # Each node keeps its disk capsules apart: {node} is its fully qualified name.
 DEFAULT_CAPSULE_DIR = '~/.cache/flashrt_ros/capsules/{node}'
 _RUNTIME_DEFAULTS = RuntimeConfig()
@@ -95,9 +95,6 @@ PARAMETERS = (
     _runtime('rollback_depth', 'Committed boundaries kept for ~/rollback.', integer=(0, 1024)),
     _runtime('ring_budget_bytes', 'Byte budget of the rollback ring (0 = unlimited); the oldest '
              'boundaries are dropped to stay within it.', integer=(0, _MAX_INT)),
-    _runtime('capsule_key_file', 'File with the key of the capsule MAC (empty: '
-             '$FLASHRT_CAPSULE_KEY_FILE, or none); disk capsules without a valid MAC under it '
-             'are refused.'),
     _runtime('seed', 'Initial sampler seed.', integer=(0, 2 ** 31 - 1)),
     Param('home_capsule', 'home',
           'Name of the capsule taken at activation (system prompt prefilled); ~/reset and the '
