@@ -381,6 +381,9 @@ class TurnScheduler:
         if turn.final is None:  # every turn ends with a final chunk, even an empty one
             turn.final = [], '', res.stop_reason
         success, message = True, f'{len(res.token_ids)} tokens, stop reason {res.stop_reason}'
+        if 0 < res.prompt_consumed < res.prompt_tokens:  # a STOP cut a long prefill short
+            message += (f'; the prompt was cut after {res.prompt_consumed} of '
+                        f'{res.prompt_tokens} tokens (committed there)')
         if turn.request.save_as:
             saved, note = self.save_as(turn)
             success, message = saved, f'{message}; {note}'

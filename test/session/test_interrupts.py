@@ -158,3 +158,28 @@ def test_policy_mode_follows_the_interrupt_policy_parameter(make_session, settin
     session.interrupts.apply('interrupt', InterruptMode.POLICY, 1, '', '', time.time())
     assert out.events[-1]['message'].startswith('stopped and rolled back 1')
     assert session.runtime.state_digest() == home
+
+
+def test_a_stop_cuts_a_long_prompt_and_the_result_says_so(make_session, monkeypatch):
+    """A STOP during a prefill of several chunks ends it at the next chunk boundary."""
+    from flashrt_ros.runtime import engine
+    monkeypatch.setattr(engine, 'PREFILL_CHUNK', 8)
+    session, out = make_session()
+    adapter = session.runtime.engine.adapter
+    forward, calls = adapter.forward, []
+
+    def forward_then_interrupt(*args, **kwargs):
+        result = forward(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 1:  # after the first chunk, a STOP from another thread, as a node's
+            stop = threading.Thread(target=session.runtime.interrupt)
+            stop.start()
+            stop.join(5.0)
+        return result
+
+    monkeypatch.setattr(adapter, 'forward', forward_then_interrupt)
+    turn = _start(session, 'x' * 40, max_new_tokens=4)
+    assert turn.done.wait(20.0)
+    assert turn.result.stop_reason == 'interrupted' and not turn.result.token_ids
+    assert 'the prompt was cut after 8 of 40 tokens' in turn.result.message, \
+        turn.result.message
