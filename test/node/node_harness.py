@@ -67,6 +67,24 @@ class EventLog:
         self._client.node.destroy_subscription(self._sub)
 
 
+def set_parameter(client, name, value):
+    """Set one parameter of the client's node over ROS; return its SetParametersResult."""
+    from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
+    from rcl_interfaces.srv import SetParameters
+    if isinstance(value, bool):
+        value = ParameterValue(type=ParameterType.PARAMETER_BOOL, bool_value=value)
+    elif isinstance(value, int):
+        value = ParameterValue(type=ParameterType.PARAMETER_INTEGER, integer_value=value)
+    else:
+        value = ParameterValue(type=ParameterType.PARAMETER_STRING, string_value=value)
+    cli = client.node.create_client(SetParameters, f'{client.base}/set_parameters')
+    try:
+        request = SetParameters.Request(parameters=[Parameter(name=name, value=value)])
+        return client._call(cli, request).results[0]
+    finally:
+        client.node.destroy_client(cli)
+
+
 @contextlib.contextmanager
 def node_in_process(name, params, prepare=None):
     """

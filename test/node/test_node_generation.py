@@ -5,10 +5,8 @@ import time
 
 from action_msgs.msg import GoalStatus
 from flashrt_ros.msg import Interrupt
-from node_harness import HOME, wait_until as _wait
+from node_harness import HOME, set_parameter, wait_until as _wait
 import pytest
-from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
-from rcl_interfaces.srv import SetParameters
 from rclpy.event_handler import PublisherEventCallbacks
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 
@@ -25,17 +23,8 @@ def _start_long(client, **kwargs):
 
 
 def _set_param(client, name, value):
-    if isinstance(value, int):
-        value = ParameterValue(type=ParameterType.PARAMETER_INTEGER, integer_value=value)
-    else:
-        value = ParameterValue(type=ParameterType.PARAMETER_STRING, string_value=value)
-    cli = client.node.create_client(SetParameters, f'{client.base}/set_parameters')
-    try:
-        request = SetParameters.Request(parameters=[Parameter(name=name, value=value)])
-        response = client._call(cli, request)
-        assert response.results[0].successful, response.results[0].reason
-    finally:
-        client.node.destroy_client(cli)
+    result = set_parameter(client, name, value)
+    assert result.successful, result.reason
 
 
 def test_generate_streams_tokens(client, at_home):

@@ -10,10 +10,8 @@ import threading
 from flashrt_ros.msg import Interrupt
 from flashrt_ros.node import parameters
 from flashrt_ros.runtime.state import disk
-from node_harness import EventLog, HOME, NODE_A_PARAMS, node_in_process
+from node_harness import EventLog, HOME, NODE_A_PARAMS, node_in_process, set_parameter
 import pytest
-from rcl_interfaces.msg import Parameter as ParameterMsg, ParameterType, ParameterValue
-from rcl_interfaces.srv import SetParameters
 
 NAME = 'flashrt_hardened'
 
@@ -64,28 +62,13 @@ def test_an_interrupt_does_not_wait_for_a_disk_snapshot(hardened, monkeypatch):
     assert client.delete_capsule('big_on_disk').success
 
 
-def _set(client, name, value):
-    if isinstance(value, bool):
-        value = ParameterValue(type=ParameterType.PARAMETER_BOOL, bool_value=value)
-    elif isinstance(value, int):
-        value = ParameterValue(type=ParameterType.PARAMETER_INTEGER, integer_value=value)
-    else:
-        value = ParameterValue(type=ParameterType.PARAMETER_STRING, string_value=value)
-    cli = client.node.create_client(SetParameters, f'{client.base}/set_parameters')
-    try:
-        request = SetParameters.Request(parameters=[ParameterMsg(name=name, value=value)])
-        return client._call(cli, request).results[0]
-    finally:
-        client.node.destroy_client(cli)
-
-
 @pytest.mark.parametrize('name, value', [('model', 'builtin:tiny-llama'),
                                          ('capsule_dir', '/tmp/elsewhere'),
                                          ('device', 'cuda'), ('disk_budget_bytes', 1)])
 def test_runtime_identity_parameters_are_read_only(hardened, name, value):
     client, node = hardened
     before = node.get_parameter(name).value
-    result = _set(client, name, value)
+    result = set_parameter(client, name, value)
     assert not result.successful and 'read-only' in result.reason.lower(), result.reason
     assert node.get_parameter(name).value == before
 
@@ -100,7 +83,7 @@ def test_the_home_capsule_is_protected_over_ros(hardened):
         assert not response.success and 'protect_home' in response.message, response.message
     assert client.restore(HOME).success and client.state_digest() == home
     for name, value in (('protect_home', False), ('home_capsule', 'home_copy')):
-        result = _set(client, name, value)
+        result = set_parameter(client, name, value)
         assert not result.successful and 'read-only' in result.reason.lower(), result.reason
     assert client.delete_capsule('home_copy').success
 
