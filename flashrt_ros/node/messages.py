@@ -127,6 +127,7 @@ def diagnostic_status(name, state_label, session):
             values['last_restore_copied_bytes'] = stats.last_restore_copied_bytes
             values['decode_tokens_per_s'] = f'{stats.decode_tokens_per_s:.1f}'
             values['cuda_graph'] = stats.cuda_graph
+            values['disk_temp_bytes'] = stats.disk_temp_bytes
             values['kernels'] = ', '.join(stats.kernels) or 'none'
             values.update(session.mode.diagnostics(stats))
             if state_label == 'active':

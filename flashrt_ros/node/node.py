@@ -397,8 +397,8 @@ class FlashRTNode(LifecycleNode):
             response.success, response.message = False, self.not_active_message()
             return response
         try:
-            unreadable = []
-            infos = rt.list_capsules(request.tier or None, unreadable)
+            unreadable, foreign = [], []
+            infos = rt.list_capsules(request.tier or None, unreadable, foreign)
         except FlashRTError as exc:
             response.success, response.message = False, str(exc)
             return response
@@ -417,6 +417,10 @@ class FlashRTNode(LifecycleNode):
                 f'; {len(unreadable)} unreadable capsule files on disk, not listed '
                 f'({", ".join(unreadable[:5])}): restore one to see why, delete it to free '
                 'its space')
+        if foreign:
+            response.message += (
+                f'; {len(foreign)} files in capsule_dir that are not capsules, left alone '
+                f'({", ".join(foreign[:5])})')
         return response
 
     def _digest_callback(self, request, response):

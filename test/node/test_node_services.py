@@ -187,6 +187,10 @@ def test_delete_unreadable_disk_file(client, capsule_dir):
         response = client.delete_capsule('foreign')  # not ours: left alone
         assert not response.success and 'not a capsule' in response.message, response.message
         assert os.path.exists(foreign)
+        listing = client.list_capsules()
+        assert 'foreign' not in [c.name for c in listing.capsules]
+        assert 'not capsules, left alone (foreign' in listing.message, \
+            listing.message
     finally:
         for leftover in (path, foreign):
             if os.path.exists(leftover):
@@ -255,7 +259,7 @@ def test_diagnostics(client):
     values = received[0]
     for key in ('state_bytes', 'device_capsules', 'device_bytes_used', 'host_capsules',
                 'disk_capsules', 'last_restore_ms', 'p99_restore_ms', 'last_restore_copied_bytes',
-                'decode_tokens_per_s', 'kernels'):
+                'decode_tokens_per_s', 'kernels', 'disk_temp_bytes'):
         assert key in values, key
     assert int(values['state_bytes']) > 0 and int(values['device_capsules']) >= 1
     assert values['lifecycle_state'] == 'active'
