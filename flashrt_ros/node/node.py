@@ -326,16 +326,15 @@ class FlashRTNode(LifecycleNode):
         return None
 
     def _succeed(self, operation, info, response, message):
+        """Fill response (its capsule and latency, where it has them) and report the success."""
+        if hasattr(response, 'capsule'):
+            messages.info_msg(info, response.capsule)
+            response.latency_ms = info.latency_s * 1e3
         response.success, response.message = True, message
         self.publish_event(operation, info.name, info.tier, info.nbytes, info.latency_s * 1e3,
                            True, message)
         self.publish_evictions()
         return response
-
-    @staticmethod
-    def _fill(response, info):
-        messages.info_msg(info, response.capsule)
-        response.latency_ms = info.latency_s * 1e3
 
     def _snapshot_callback(self, request, response):
         tier = request.tier or 'device'
@@ -343,10 +342,9 @@ class FlashRTNode(LifecycleNode):
                           lambda: self._session.snapshot(request.name, tier, request.pinned))
         if info is None:
             return response
-        self._fill(response, info)
         return self._succeed('snapshot', info, response, (
             f'snapshot {info.name!r}: {info.nbytes} bytes in {info.tier} at position '
-            f'{info.position}, {response.latency_ms:.3f} ms'))
+            f'{info.position}, {info.latency_s * 1e3:.3f} ms'))
 
     def _restore_callback(self, request, response):
         mode = request.mode or Restore.Request.MODE_FULL
@@ -354,10 +352,9 @@ class FlashRTNode(LifecycleNode):
                           lambda: self._session.restore(request.name, mode))
         if info is None:
             return response
-        self._fill(response, info)
         return self._succeed('restore', info, response, (
             f'restored {info.name!r} ({mode}) from {info.tier}: position {info.position}, '
-            f'{response.latency_ms:.3f} ms'))
+            f'{info.latency_s * 1e3:.3f} ms'))
 
     def _fork_callback(self, request, response):
         info = self._call('fork', request.target, request.tier, response,
@@ -365,10 +362,9 @@ class FlashRTNode(LifecycleNode):
                                                      request.tier or None))
         if info is None:
             return response
-        self._fill(response, info)
         return self._succeed('fork', info, response, (
             f'forked {request.source!r} -> {info.name!r} in {info.tier} ({info.nbytes} bytes), '
-            f'{response.latency_ms:.3f} ms'))
+            f'{info.latency_s * 1e3:.3f} ms'))
 
     def _rollback_callback(self, request, response):
         boundaries = max(1, int(request.boundaries))
@@ -376,11 +372,10 @@ class FlashRTNode(LifecycleNode):
                           lambda: self._session.rollback(boundaries))
         if info is None:
             return response
-        self._fill(response, info)
         response.position = int(info.position)
         return self._succeed('rollback', info, response, (
             f'rolled back {boundaries} boundaries to position {info.position}, '
-            f'{response.latency_ms:.3f} ms'))
+            f'{info.latency_s * 1e3:.3f} ms'))
 
     def _delete_callback(self, request, response):
         info = self._call('delete', request.name, '', response,

@@ -269,16 +269,10 @@ class TurnScheduler:
     @contextlib.contextmanager
     def exclusive(self, busy_message):
         """Keep turns from starting; raise BusyError(busy_message) if one runs now."""
-        with self._cv:
+        with self.held():  # held first: no turn can start between the check and the yield
             if self._running is not None:
                 raise BusyError(busy_message)
-            self._holds += 1
-        try:
             yield
-        finally:
-            with self._cv:
-                self._holds -= 1
-                self._cv.notify_all()
 
     @contextlib.contextmanager
     def stopped(self):
