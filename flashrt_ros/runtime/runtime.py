@@ -38,7 +38,10 @@ from .generation import check_fits, Generation, prefill_ids, prompt_ids, Samplin
 from .models.base import PolicyAdapter, PolicySpec, StateAdapter
 from .models.hf import load_adapter
 from .models.policy import is_policy_model, load_policy
+from .models.speech import is_speech_model, KyutaiSTTAdapter, load_speech, SpeechSpec
 from .policy_mode import ActionChunk, control_step
+from . import speech_mode
+from .speech_mode import TranscriptEvent
 from .preemption import preempt_with, Preemption
 from .state.arena import dtype_from_name, StateArena
 from .state.capsule import BOUNDARY_NAME, Capsule, CapsuleInfo, validate_name, validate_tier
@@ -91,11 +94,13 @@ class Runtime:
         self._abortable_thread = 0  # ident of the thread whose forward may be abandoned now, or 0
 
         if adapter is None:
-            load = load_policy if is_policy_model(config.model) else load_adapter
+            load = (load_policy if is_policy_model(config.model) else
+                    load_speech if is_speech_model(config.model) else load_adapter)
             adapter = load(config.model, self.device, self.dtype, config.max_seq_len)
         adapter.check_device(self.device)  # a user's module may still be elsewhere
         self.adapter = adapter
         self.is_policy = isinstance(adapter, PolicyAdapter)
+        self.is_speech = isinstance(adapter, KyutaiSTTAdapter)
         self.tokenizer = getattr(adapter, 'tokenizer', None)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
@@ -109,7 +114,8 @@ class Runtime:
         if self.is_policy:
             self.engine = PolicyEngine(adapter, self.arena.views)
         else:
-            self.engine = Engine(adapter, self.arena.views['logits'], config.cuda_graphs)
+            self.engine = Engine(adapter, self.arena.views['logits'],
+                                 config.cuda_graphs and not self.is_speech)  # speech: eager
         self.ring = RollbackRing(config.rollback_depth, config.ring_budget_bytes)
         self.cursor = Cursor()
         self.codec = StateCodec(
@@ -165,7 +171,13 @@ class Runtime:
         if self._turn is not None:
             raise BusyError(BUSY_MESSAGE)
 
-    def _require_mode(self, policy: bool) -> None:
+    def _require_mode(self, policy: bool, speech: bool = False) -> None:
+        if self.is_speech != speech:
+            raise InvalidRequestError(
+                f'model {self.config.model!r} is a speech model: call feed_audio(samples)'
+                if self.is_speech else
+                f'model {self.config.model!r} is not a speech model: feed_audio and flush '
+                'need one (e.g. builtin:tiny-stt)')
         if self.is_policy != policy:
             raise InvalidRequestError(
                 f'model {self.config.model!r} is a robot policy: call act(observation), not '
@@ -205,10 +217,13 @@ class Runtime:
                     scratch = torch.Generator(device=self.device)
                     self.engine.step(torch.zeros(2, self.adapter.spec.obs_dim), 0, scratch)
                     self.engine.step(torch.zeros(1, self.adapter.spec.obs_dim), 2, scratch)
+                elif self.is_speech:
+                    speech_mode.warm(self)
                 else:
                     self.engine.prefill([0], 0)
                     self.engine.decode(0, 1)
-                if self.config.cuda_graphs and self._cuda and not self.is_policy:
+                if self.config.cuda_graphs and self._cuda and not (self.is_policy
+                                                                     or self.is_speech):
                     self.arena.zero_()
                     self.engine.capture(self.arena.views)
             finally:
@@ -357,6 +372,43 @@ class Runtime:
         with self._lock:
             self._check_open()
             return self.engine.drop()
+
+    # ---- speech mode: audio in, text tokens out -----------------------------------------
+
+    @property
+    def speech_spec(self) -> SpeechSpec | None:
+        """Sample rate, frame size and text delay of a speech model (None otherwise)."""
+        return self.adapter.spec if self.is_speech else None
+
+    def check_audio(self, samples, sample_rate: int | None = None) -> torch.Tensor:
+        """Return mono samples as float32 [N], or raise InvalidRequestError (nothing fed)."""
+        self._require_mode(policy=False, speech=True)
+        return speech_mode.check_audio(self.adapter.spec, samples, sample_rate)
+
+    def feed_audio(self, samples, sample_rate: int | None = None) -> list[TranscriptEvent]:
+        """
+        Feed int16 or float32 mono samples of any length; return the completed frames' tokens.
+
+        Every completed frame is a committed boundary; the samples of a frame not yet
+        complete wait in the arena. Bad input (rate, shape, type, NaN) or a full utterance
+        raises InvalidRequestError before the state is touched.
+        """
+        audio = self.check_audio(samples, sample_rate)
+        t0 = time.perf_counter()
+        with self._lock:
+            self._check_idle()
+            events = speech_mode.feed(self, audio)
+            if events:
+                self._control_step_s = (time.perf_counter() - t0) / len(
+                    {e.frame for e in events})
+            return events
+
+    def flush(self) -> list[TranscriptEvent]:
+        """Return the tokens the text delay still holds back; the live state is unchanged."""
+        self._require_mode(policy=False, speech=True)
+        with self._lock:
+            self._check_idle()
+            return speech_mode.flush(self)
 
     # ---- capsules ---------------------------------------------------------------------
 
@@ -563,6 +615,6 @@ class Runtime:
             cuda_graph_note=None if closed else self.engine.graph_error,
             cuda_graph_replays=0 if closed else self.engine.replays,
             kernels=() if closed else tuple(self.adapter.kernels),
-            control_step_s=self._control_step_s if self.is_policy else None,
+            control_step_s=self._control_step_s if self.is_policy or self.is_speech else None,
             disk_temp_bytes=temp_bytes,
         )

@@ -89,6 +89,30 @@ POLICY_BUILTINS: dict[str, dict[str, Any]] = {
 }
 
 
+# Streaming speech-to-text (models/speech.py): a Kyutai STT decoder over a Mimi encoder at
+# 24 kHz, 80 ms frames. Windows are small (3 frames of codec context, 8 decoder steps) so
+# that tests run past the point where the sliding-window caches wrap around.
+SPEECH_BUILTINS: dict[str, dict[str, Any]] = {
+    'tiny-stt': {
+        'text_delay_s': 0.24,
+        'codec': {
+            'model_type': 'mimi', 'hidden_size': 32, 'num_filters': 4, 'num_residual_layers': 1,
+            'upsampling_ratios': [8, 6, 5, 4], 'codebook_size': 16, 'codebook_dim': 16,
+            'num_quantizers': 4, 'num_semantic_quantizers': 1, 'num_hidden_layers': 2,
+            'num_attention_heads': 2, 'num_key_value_heads': 2, 'head_dim': 16,
+            'intermediate_size': 64, 'sliding_window': 6,
+            'vector_quantization_hidden_dimension': 16, 'upsample_groups': 32},
+        'decoder': {
+            'vocab_size': VOCAB, 'hidden_size': 64, 'num_hidden_layers': 2,
+            'num_attention_heads': 4, 'num_key_value_heads': 4, 'ffn_dim': 128,
+            'num_codebooks': 4, 'codebook_vocab_size': 17, 'audio_bos_token_id': 16,
+            'audio_pad_token_id': VOCAB + 4 * 17, 'sliding_window': 8,
+            'max_position_embeddings': 65536, 'pad_token_id': 258, 'bos_token_id': 256,
+            'eos_token_id': None, 'initializer_range': INIT_STD},
+    },
+}
+
+
 def build_builtin(name: str, dtype: torch.dtype):
     """Instantiate built-in model `name` with deterministic random weights."""
     import transformers
@@ -96,7 +120,7 @@ def build_builtin(name: str, dtype: torch.dtype):
     if name not in BUILTINS:
         raise ConfigError(
             f'unknown built-in model {name!r}; choose one of '
-            + ', '.join(f'builtin:{n}' for n in [*BUILTINS, *POLICY_BUILTINS])
+            + ', '.join(f'builtin:{n}' for n in [*BUILTINS, *POLICY_BUILTINS, *SPEECH_BUILTINS])
         )
     spec = BUILTINS[name]
     config = getattr(transformers, spec.config_class)(

@@ -1,0 +1,145 @@
+"""
+Speech mode: audio in, text tokens out, one committed boundary per 80 ms frame.
+
+feed_audio takes samples of any length; each frame they complete runs the codec encoder and
+one decoder step (the first frame also the utterance's BOS step) and is committed, so
+rollback(k) undoes the last k frames (and any samples of a frame not yet complete). The
+samples of a partial frame are arena state, so a snapshot mid-frame continues exactly.
+position counts decoder steps (frame count + 1 once the utterance started); the cursor's
+pending token is the text token the next frame's step is fed.
+
+Decoding is greedy (Kyutai STT's own use). flush() reads the words still held back by the
+text delay: it feeds that much silence to a copy of the state and puts the live one back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import math
+
+import numpy as np
+import torch
+
+from .errors import InvalidRequestError
+from .preemption import guarded_forward
+
+SAMPLE_FORMATS = ('int16', 'float32')
+
+
+@dataclass(frozen=True)
+class TranscriptEvent:
+    frame: int  # index of the frame whose step produced the token (0-based, per utterance)
+    token_id: int
+    text: str  # '' for the pad token (a frame with no new text)
+    is_pad: bool
+    position: int  # the decoder position after the step
+
+
+def check_audio(spec, samples, sample_rate: int | None = None) -> torch.Tensor:
+    """Return mono samples as float32 [N] in [-1, 1], or raise InvalidRequestError."""
+    if sample_rate is not None and int(sample_rate) != spec.sample_rate:
+        raise InvalidRequestError(
+            f'audio at {sample_rate} Hz: the model takes {spec.sample_rate} Hz; resample it '
+            'before sending')
+    if isinstance(samples, torch.Tensor):
+        samples = samples.detach().cpu().numpy()
+    array = np.asarray(samples)
+    if array.ndim != 1:
+        raise InvalidRequestError(f'audio must be mono samples [N], got shape {array.shape}')
+    if array.dtype == np.int16:
+        array = array.astype(np.float32) / 32768.0
+    elif array.dtype in (np.float32, np.float64) or (array.size == 0 and array.dtype == object):
+        array = array.astype(np.float32)
+    elif array.dtype.kind in 'iu' and array.size and (
+            array.min() >= -32768 and array.max() <= 32767):
+        array = array.astype(np.float32) / 32768.0  # plain ints: int16 values
+    else:
+        raise InvalidRequestError(
+            f'audio samples of type {array.dtype} are not supported; send int16 or float32')
+    if array.size and not np.isfinite(array).all():
+        raise InvalidRequestError('audio holds NaN or Inf samples; nothing was fed')
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def frames_needed(rt, samples: int) -> int:
+    """Decoder steps feeding `samples` more samples runs (the first frame also BOS)."""
+    frames = (rt.adapter.samples + samples) // rt.adapter.spec.frame_size
+    return frames + (1 if frames and rt.cursor.position == 0 else 0)
+
+
+def feed(rt, audio: torch.Tensor, commit: bool = True) -> list[TranscriptEvent]:
+    """Fold checked samples [N] into the state (lock held; see Runtime.feed_audio)."""
+    adapter, cursor = rt.adapter, rt.cursor
+    steps = frames_needed(rt, audio.numel())
+    if cursor.position + steps > rt.config.max_seq_len:
+        raise InvalidRequestError(
+            f'utterance is full: position {cursor.position} + {steps} frames > max_seq_len '
+            f'{rt.config.max_seq_len}; reset() or restore a capsule first, or raise '
+            'max_seq_len')
+    events: list[TranscriptEvent] = []
+    frame_size, partial = adapter.spec.frame_size, adapter.partial
+    audio = audio.to(rt.device)
+    done = 0
+    while done < audio.numel():
+        take = min(audio.numel() - done, frame_size - adapter.samples)
+        partial[adapter.samples:adapter.samples + take].copy_(audio[done:done + take])
+        adapter.samples += take
+        done += take
+        if adapter.samples < frame_size:
+            break
+        try:
+            with guarded_forward(rt):
+                events += _frame(rt)
+        except BaseException:
+            if rt.ring.depth > 0:  # the torn frame goes: back to the last completed one
+                rt.codec.apply(rt.ring[-1])
+            raise
+        if commit:
+            rt._commit()
+    return events
+
+
+def _frame(rt) -> list[TranscriptEvent]:
+    """Run the complete frame in the partial buffer: BOS first in a fresh utterance."""
+    adapter, cursor, events = rt.adapter, rt.cursor, []
+    frame = max(cursor.position - 1, 0)
+    cursor.extent = max(cursor.extent, cursor.position + 2)
+    if cursor.position == 0:
+        events.append(_emit(rt, adapter.bos_step(0), adapter.config.bos_token_id, frame))
+    codes_logits = adapter.frame_step(adapter.partial.clone(), cursor.pending, cursor.position)
+    adapter.partial.zero_()
+    adapter.samples = 0
+    events.append(_emit(rt, codes_logits[1], cursor.pending, frame))
+    return events
+
+
+def _emit(rt, logits: torch.Tensor, fed: int, frame: int) -> TranscriptEvent:
+    """Record the step just run (fed token, logits, next token); return its event."""
+    cursor, engine = rt.cursor, rt.engine
+    engine.logits.copy_(logits)
+    rt.arena.views['tokens'][cursor.position] = fed
+    cursor.position += 1
+    token = int(engine.logits.argmax())
+    cursor.pending = token
+    pad = token == rt.adapter.spec.pad_token_id
+    return TranscriptEvent(frame, token, '' if pad else rt.tokenizer.decode([token]), pad,
+                           cursor.position)
+
+
+def flush(rt) -> list[TranscriptEvent]:
+    """Read the delayed words: feed text-delay silence to a copy; live state unchanged."""
+    spec = rt.adapter.spec
+    frames = math.ceil(spec.text_delay_s * spec.sample_rate / spec.frame_size)
+    silence = frames * spec.frame_size + (spec.frame_size - rt.adapter.samples) % spec.frame_size
+    silence = min(silence, (rt.config.max_seq_len - rt.cursor.position - 1) * spec.frame_size)
+    saved = rt.codec.capture('flush', 'device')
+    try:
+        return feed(rt, torch.zeros(max(silence, 0)), commit=False)
+    finally:
+        rt.codec.apply(saved)
+
+
+def warm(rt) -> None:
+    """Run two frames of silence from a fresh state (the caller saves and puts back the state)."""
+    rt.cursor.position, rt.cursor.pending = 0, None
+    feed(rt, torch.zeros(2 * rt.adapter.spec.frame_size), commit=False)
