@@ -72,7 +72,8 @@ PARAMETERS = (
           'Walk through configure and activate at startup, so a plain `ros2 run` serves.'),
     Param('mode', 'lm',
           'lm: a language model (~/generate, ~/prompt); policy: a robot policy '
-          '(~/observation -> ~/actions). Must match the model.', choices=tuple(MODES)),
+          '(~/observation -> ~/actions); speech: a speech-to-text model (~/audio -> '
+          '~/transcript). Must match the model.', choices=tuple(MODES)),
     _runtime('model', 'Model: builtin:<id> (random weights, no download) or a local checkpoint '
              'directory (save_pretrained folder with its tokenizer).'),
     _runtime('device', 'Device: cpu, cuda or cuda:N.', constraints='cpu | cuda | cuda:N'),

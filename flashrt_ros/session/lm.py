@@ -15,7 +15,7 @@ class LMMode(Mode):
 
     @staticmethod
     def serves(runtime):
-        return not runtime.is_policy
+        return not (runtime.is_policy or runtime.is_speech)
 
     def turn_refusal(self, source):
         return ''

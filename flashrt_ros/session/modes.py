@@ -1,7 +1,7 @@
 """
 The seam between the session and the kind of model it serves.
 
-A mode is one module (lm.py, policy.py; speech goes beside them) with one Mode subclass.
+A mode is one module (lm.py, policy.py, speech.py) with one Mode subclass.
 The node and the session call only the methods below; whatever a kind of model needs
 beyond them (its inputs, its outputs) stays inside its module.
 """

@@ -17,6 +17,9 @@ class Outputs:
     def actions(self, step, rows, names):
         """Publish action rows [[a_0 .. a_A-1], ...] of the control step `step`."""
 
+    def transcript(self, utterance, index, ids, text, final):
+        """Publish text tokens of a speech stream (index: frame of the first one)."""
+
     def start_goal(self, turn):
         """Tell a turn's caller it starts, or ended unstarted, so that it may report it."""
 

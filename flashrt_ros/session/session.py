@@ -5,9 +5,10 @@ from flashrt_ros.runtime import FlashRTError, InvalidRequestError
 from .interrupts import Interrupts
 from .lm import BUSY_MESSAGE, LMMode
 from .policy import PolicyMode
+from .speech import SpeechMode
 from .turns import TurnScheduler
 
-MODES = {mode.name: mode for mode in (LMMode, PolicyMode)}
+MODES = {mode.name: mode for mode in (LMMode, PolicyMode, SpeechMode)}
 
 
 class Session:

@@ -37,6 +37,7 @@ class Recorder(Outputs):
 
     def __init__(self):
         self.events, self.chunks, self.actions_out, self.logs = [], [], [], []
+        self.transcripts = []
         self.started = []
         self.gates = {}  # 'chunk:<index>', 'final', 'start', 'event:<operation>' -> Gate
 
@@ -64,6 +65,10 @@ class Recorder(Outputs):
 
     def actions(self, step, rows, names):
         self.actions_out.append((step, rows, list(names)))
+
+    def transcript(self, utterance, index, ids, text, final):
+        self.transcripts.append({'utterance': utterance, 'index': index, 'ids': list(ids),
+                                 'text': text, 'final': final})
 
     def start_goal(self, turn):
         self.started.append(turn)

@@ -1,0 +1,108 @@
+"""
+Speech mode: audio chunks in, transcript token chunks out.
+
+Each audio chunk is fed to the runtime (every completed 80 ms frame a committed boundary)
+and the text tokens its frames produced go out as one transcript chunk. A chunk carries
+the index of its first sample in the stream, so a lost chunk is detected: the chunk after
+a gap is refused (the state stays where it was; resend from the expected sample, or reset)
+rather than transcribing audio with a hole in it. After an interrupt, reset, restore or
+rollback the stream starts over: the next chunk's index is taken as it comes.
+
+`_gate` makes feeding a chunk one step against an interrupt's forget-replace (quiet()) and
+against forget_inputs, which run on other threads: audio sent before an interrupt is not
+fed into the state the interrupt put in place. docs/semantics.md has the barge-in recipes.
+"""
+
+import threading
+import time
+
+from flashrt_ros.runtime import FlashRTError
+
+from .modes import Mode
+
+
+class SpeechMode(Mode):
+    """A streaming speech-to-text model: the audio gate, gap detection, transcript chunks."""
+
+    name = 'speech'
+    kind = 'a speech model'
+
+    def __init__(self, runtime, param, outputs):
+        super().__init__(runtime, param, outputs)
+        self._gate = threading.RLock()  # guards the fields below and feeding a chunk
+        self._next_sample = None        # expected first_sample of the next chunk (None: any)
+        self._interrupted_at = 0.0      # wall time before which audio is stale
+        self.utterance = 0              # counts episodes (the chunks' turn_id)
+
+    @staticmethod
+    def serves(runtime):
+        return runtime.is_speech
+
+    def turn_refusal(self, source):
+        return (f'{source} rejected: the node runs a speech model (mode speech); publish '
+                'audio on ~/audio instead')
+
+    def audio(self, samples, sample_rate=None, first_sample=-1, received=None):
+        """
+        Feed one chunk of mono samples (int16 or float32) received at wall time `received`.
+
+        first_sample < 0 means the sender does not number its samples (no gap check).
+        Returns the transcript events of the frames it completed ([] if refused).
+        """
+        with self._gate:
+            if received is not None and received <= self._interrupted_at:
+                return []  # sent before the last interrupt/reset: the stopped episode's
+            expected = self._next_sample
+            if first_sample >= 0 and expected is not None and first_sample != expected:
+                what = 'missing' if first_sample > expected else 'repeated'
+                self.reject_audio(
+                    f'gap in the audio stream: expected sample {expected}, got {first_sample} '
+                    f'({abs(first_sample - expected)} samples {what}); resend from sample '
+                    f'{expected}, or reset')
+                return []
+            try:
+                events = self.runtime.feed_audio(samples, sample_rate)
+            except FlashRTError as exc:  # bad audio or a full utterance: refused untouched
+                self.reject_audio(str(exc))
+                return []
+            except Exception as exc:  # the model failed mid-frame: report it, keep serving
+                message = f'speech step failed: {exc!r}; state at the last completed frame'
+                self._out.log('error', message)
+                self._out.event('audio', '', '', 0, 0.0, False, message)
+                return []
+            if first_sample >= 0:
+                self._next_sample = first_sample + len(samples)
+            self._publish(events, final=False)
+            return events
+
+    def flush(self):
+        """Publish the words the text delay holds back (final chunk); state unchanged."""
+        with self._gate:
+            events = self.runtime.flush()
+            self._publish(events, final=True)
+            return events
+
+    def _publish(self, events, final):
+        words = [e for e in events if not e.is_pad]
+        if words or final:
+            index = words[0].frame if words else 0
+            self._out.transcript(self.utterance, index, [e.token_id for e in words],
+                                 ''.join(e.text for e in words), final)
+
+    def reject_audio(self, reason):
+        message = (f'audio rejected: {reason}; state unchanged at frame boundary '
+                   f'{self.runtime.position}')
+        self._out.log('warning', message, throttle_s=1.0)
+        self._out.event('audio', '', '', 0, 0.0, False, message)
+
+    def forget_inputs(self, before=None):
+        with self._gate:
+            self._interrupted_at = max(self._interrupted_at, before or time.time())
+            self._next_sample = None
+            self.utterance += 1
+
+    def quiet(self):
+        return self._gate
+
+    def diagnostics(self, stats):
+        return {'frame_step_ms': f'{(stats.control_step_s or 0.0) * 1e3:.3f}'}

@@ -1,0 +1,101 @@
+"""Speech mode: audio chunks in, transcript chunks out, gap checks and barge-in recipes."""
+
+import time
+
+from flashrt_ros.session import InterruptMode
+import numpy as np
+import pytest
+
+STT = 'builtin:tiny-stt'
+FRAME = 1920
+
+
+def _audio(frames, seed):
+    """Seeded noise and tone, float32 [frames * FRAME]."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(frames * FRAME) / 24000
+    tone = 0.3 * np.sin(2 * np.pi * (150 + 50 * seed) * t * (1 + t))
+    return (tone + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
+
+
+def _stream(session, audio, start=0, chunk=700):
+    """Feed audio in numbered chunks; return the tokens of the frames they completed."""
+    tokens = []
+    for i in range(0, len(audio), chunk):
+        events = session.mode.audio(audio[i:i + chunk], 24000, start + i, time.time())
+        tokens += [e.token_id for e in events]
+    return tokens
+
+
+@pytest.fixture
+def speech(make_session):
+    return make_session(STT, 'speech', rollback_depth=16)
+
+
+def test_audio_in_transcript_out(speech):
+    session, out = speech
+    tokens = _stream(session, _audio(10, seed=0))
+    assert session.runtime.position == 11 and len(tokens) == 11
+    words = [t for t in tokens if t != session.runtime.speech_spec.pad_token_id]
+    assert [i for c in out.transcripts for i in c['ids']] == words and words
+    digest = session.runtime.state_digest()
+    session.mode.flush()
+    assert out.transcripts[-1]['final'] and session.runtime.state_digest() == digest
+
+
+def test_a_gap_a_wrong_rate_or_nan_is_refused_with_the_state_untouched(speech):
+    session, out = speech
+    audio = _audio(3, seed=1)
+    _stream(session, audio[:1000])
+    digest = session.runtime.state_digest()
+    mode = session.mode
+    mode.audio(audio[1500:2000], 24000, 1500, time.time())  # 500 samples lost
+    mode.audio(audio[1000:1500], 16000, 1000, time.time())
+    mode.audio(np.full(500, np.nan, dtype=np.float32), 24000, 1000, time.time())
+    assert session.runtime.state_digest() == digest
+    messages = [e['message'] for e in out.events if e['operation'] == 'audio']
+    assert len(messages) == 3 and not any(e['success'] for e in out.events[-3:])
+    assert 'expected sample 1000, got 1500 (500 samples missing)' in messages[0]
+    assert '16000 Hz' in messages[1] and 'NaN' in messages[2]
+    _stream(session, audio[1000:], start=1000)  # the resent chunk is taken
+    assert session.runtime.position == 4
+
+
+def test_barge_in_echo_rolls_back_and_a_false_one_resumes_from_the_capsule(speech):
+    session, out = speech
+    rt = session.runtime
+    _stream(session, _audio(6, seed=2))  # the user speaks
+    session.snapshot('user_turn')  # the robot starts its reply: its own voice may follow
+    turn_digest = rt.state_digest()
+    echo_frames = 4
+    _stream(session, _audio(echo_frames, seed=3), start=6 * FRAME)  # the robot's echo
+    session.interrupts.apply('interrupt', InterruptMode.ROLLBACK, echo_frames, '', 'echo',
+                             time.time())
+    assert out.events[-1]['success'] and rt.state_digest() == turn_digest
+    user = _audio(5, seed=4)
+    after_rollback = _stream(session, user)
+    # The same as if the echo had never been heard.
+    session.restore('user_turn')
+    assert _stream(session, user) == after_rollback
+    # A false barge-in: the robot paused for a noise; the capsule taken when it paused
+    # brings the transcription back without re-encoding anything.
+    session.snapshot('paused')
+    paused_digest = rt.state_digest()
+    _stream(session, _audio(3, seed=5))  # the noise
+    session.interrupts.apply('interrupt', InterruptMode.RESTORE, 1, 'paused', 'false barge-in',
+                             time.time())
+    assert out.events[-1]['success'] and rt.state_digest() == paused_digest
+
+
+def test_audio_sent_before_an_interrupt_is_dropped(speech):
+    session, _ = speech
+    sent = time.time()
+    session.interrupts.apply('reset', InterruptMode.RESTORE, 1, '', 'reset', time.time())
+    assert session.mode.audio(_audio(1, seed=6), 24000, 0, sent) == []
+    assert session.runtime.position == 0
+    assert len(session.mode.audio(_audio(1, seed=6), 24000, 5000, time.time())) == 2
+
+
+def test_turns_are_refused_in_speech_mode(speech):
+    session, _ = speech
+    assert 'publish audio on ~/audio' in session.reserve_turn('goal')
