@@ -1,5 +1,5 @@
 # Fresh machine (Debian/Ubuntu x86_64, Python 3.10+, no ROS): `make demo`, `make test`.
-.PHONY: setup test reliability demo demo-policy bench bench-quick lint clean
+.PHONY: setup test reliability demo demo-policy demo-speech bench bench-quick lint clean
 
 setup:
 	bash scripts/bootstrap.sh
@@ -19,6 +19,9 @@ demo: setup
 
 demo-policy: setup
 	DEMO_MODULE=flashrt_ros.demo_policy bash scripts/run_demo.sh
+
+demo-speech: setup
+	DEMO_MODULE=flashrt_ros.demo_speech bash scripts/run_demo.sh
 
 # Run from build/bench-results so the installed package (with the generated msg/srv modules
 # that fig5 needs) is imported, not the source folder. Extra options: make bench ARGS='--only fig2'

@@ -19,6 +19,7 @@ Policy mode: `subscribe_actions(cb)`, then `publish_joint_state(names, position,
 (or `publish_observation(vector)`) once per control step.
 """
 
+import array
 import itertools
 import os
 import queue
@@ -26,8 +27,9 @@ import threading
 import time
 
 from flashrt_ros.action import Generate
-from flashrt_ros.msg import ActionChunk, CapsuleEvent, Interrupt, TokenChunk
-from flashrt_ros.qos import COMMAND_QOS, INTERRUPT_QOS, STREAM_QOS  # noqa: F401 (re-exported)
+from flashrt_ros.msg import ActionChunk, AudioChunk, CapsuleEvent, Interrupt, TokenChunk
+from flashrt_ros.qos import AUDIO_QOS, COMMAND_QOS, INTERRUPT_QOS  # noqa: F401 (re-exported)
+from flashrt_ros.qos import STREAM_QOS
 from flashrt_ros.spin import spin_until_shutdown
 from flashrt_ros.srv import DeleteCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
 from lifecycle_msgs.srv import ChangeState, GetState
@@ -168,6 +170,8 @@ class FlashRTClient:
                                                    COMMAND_QOS)
         self._vector_pub = n.create_publisher(Float32MultiArray,
                                               f'{self.base}/observation_vector', COMMAND_QOS)
+        self._audio_pub = n.create_publisher(AudioChunk, f'{self.base}/audio', AUDIO_QOS)
+        self._flush_pub = n.create_publisher(Empty, f'{self.base}/flush', COMMAND_QOS)
 
         self._feedback = queue.SimpleQueue()  # (feedback_callback, chunk), in arrival order
         self._feedback_thread = threading.Thread(target=self._deliver_feedback,
@@ -361,6 +365,28 @@ class FlashRTClient:
         msg.header.stamp = self.node.get_clock().now().to_msg()
         self._joint_state_pub.publish(msg)
 
+    def publish_audio(self, samples, sample_rate=24000, first_sample=-1):
+        """Publish mono samples (int16 or float32 values) as one AudioChunk on ~/audio."""
+        msg = AudioChunk(sample_rate=int(sample_rate), channels=1,
+                         first_sample=int(first_sample))
+        if str(getattr(samples, 'dtype', '')) == 'int16':
+            msg.sample_format = AudioChunk.FORMAT_INT16
+            msg.int16_samples = array.array('h', samples.tobytes())
+        else:
+            msg.sample_format = AudioChunk.FORMAT_FLOAT32
+            msg.float32_samples = array.array('f', [float(v) for v in samples])
+        msg.header.stamp = self.node.get_clock().now().to_msg()
+        self._audio_pub.publish(msg)
+
+    def flush(self):
+        """Ask a speech node for the words its text delay holds back (on ~/transcript)."""
+        self._flush_pub.publish(Empty())
+
+    def subscribe_transcript(self, callback):
+        """Call callback(TokenChunk) for every ~/transcript chunk of a speech node."""
+        return self.node.create_subscription(TokenChunk, f'{self.base}/transcript', callback,
+                                             STREAM_QOS)
+
     def subscribe_actions(self, callback):
         """Call callback(ActionChunk) for every message on ~/actions; return the subscription."""
         return self.node.create_subscription(ActionChunk, f'{self.base}/actions', callback,
@@ -383,7 +409,7 @@ class FlashRTClient:
         """Wait until the node subscribes to its command and observation topics."""
         deadline = time.monotonic() + timeout
         pubs = (self._interrupt_pub, self._reset_pub, self._prompt_pub, self._joint_state_pub,
-                self._vector_pub)
+                self._vector_pub, self._audio_pub)
         while time.monotonic() < deadline:
             if all(p.get_subscription_count() > 0 for p in pubs):
                 return True

@@ -16,6 +16,9 @@ INTERRUPT_QOS = QoSProfile(depth=1000, **_RELIABLE)
 # chunk in order while a stalled one should not pile up stale actions.
 COMMAND_QOS = QoSProfile(depth=10, **_RELIABLE)
 ACTIONS_QOS = COMMAND_QOS
+# ~/audio*: every chunk, in order (a lost one changes the transcript); the depth holds a few
+# seconds of 20-80 ms chunks while a frame step or an interrupt runs.
+AUDIO_QOS = QoSProfile(depth=200, **_RELIABLE)
 # ~/observation*: BEST_EFFORT matches sensor publishers of either reliability; depth 1 because
 # a control step acts on the newest observation, never on a backlog.
 OBSERVATION_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1,

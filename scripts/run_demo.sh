@@ -12,5 +12,6 @@ export PYTHONDONTWRITEBYTECODE=1
 # Run from outside the source tree so `flashrt_ros` (with its generated msg/srv/action
 # modules) is imported from install/, not from the source folder.
 cd "${TMPDIR:-/tmp}"
-# DEMO_MODULE=flashrt_ros.demo_policy (`make demo-policy`): the robot-policy session.
+# DEMO_MODULE=flashrt_ros.demo_policy (`make demo-policy`): the robot-policy session;
+# flashrt_ros.demo_speech (`make demo-speech`): the speech session.
 exec python -m "${DEMO_MODULE:-flashrt_ros.demo}" "$@"

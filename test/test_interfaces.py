@@ -38,6 +38,8 @@ def test_message_constants_and_defaults():
     assert {CapsuleInfo.TIER_DEVICE, CapsuleInfo.TIER_HOST, CapsuleInfo.TIER_DISK} == {
         'device', 'host', 'disk'}
     assert Restore.Request.MODE_KV_ONLY == 'kv_only'
+    from flashrt_ros.msg import AudioChunk
+    assert (AudioChunk.FORMAT_INT16, AudioChunk.FORMAT_FLOAT32) == ('int16', 'float32')
     goal = Generate.Goal()
     assert goal.seed == -1 and goal.top_p == pytest.approx(1.0)
 

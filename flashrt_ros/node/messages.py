@@ -5,6 +5,7 @@ from diagnostic_msgs.msg import DiagnosticStatus, KeyValue
 from flashrt_ros.action import Generate
 from flashrt_ros.msg import ActionChunk, CapsuleInfo, TokenChunk
 from flashrt_ros.session import TurnRequest
+import numpy as np
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 TRAJECTORY_FIELDS = ('positions', 'velocities', 'accelerations', 'effort')
@@ -57,6 +58,39 @@ def token_chunk(turn, index, ids, text, stop_reason, final, now):
                        final=final, stop_reason=stop_reason)
     chunk.header.stamp = now
     return chunk
+
+
+def transcript_chunk(utterance, index, ids, text, final, now):
+    """Build the TokenChunk of a speech stream's tokens (turn_id: the utterance)."""
+    chunk = TokenChunk(turn_id=int(utterance), index=int(index), token_ids=list(ids),
+                       text=text, final=final, stop_reason='flush' if final else '')
+    chunk.header.stamp = now
+    return chunk
+
+
+def audio_samples(msg):
+    """
+    Return an AudioChunk's samples as a mono numpy array (int16 or float32).
+
+    Raise ValueError saying what is wrong with the format.
+    """
+    fields = {'int16': msg.int16_samples, 'float32': msg.float32_samples}
+    data = fields.get(msg.sample_format)
+    if data is None:
+        raise ValueError(f'sample_format {msg.sample_format!r} is not supported; use '
+                         "'int16' or 'float32'")
+    other = fields['float32' if msg.sample_format == 'int16' else 'int16']
+    if len(other) and not len(data):
+        raise ValueError(f'sample_format is {msg.sample_format!r} but the samples are in '
+                         f'the other field; put them in {msg.sample_format}_samples')
+    channels = int(msg.channels) or 1
+    samples = np.asarray(data, dtype=np.int16 if msg.sample_format == 'int16' else np.float32)
+    if samples.size % channels:
+        raise ValueError(f'{samples.size} samples do not split into {channels} channels')
+    if channels > 1:  # interleaved: average to mono, in float32
+        scale = 32768.0 if samples.dtype == np.int16 else 1.0
+        samples = samples.reshape(-1, channels).astype(np.float32).mean(axis=1) / scale
+    return samples
 
 
 def joint_state_vector(msg, names):

@@ -17,8 +17,8 @@ import time
 
 from diagnostic_msgs.msg import DiagnosticArray
 from flashrt_ros.action import Generate
-from flashrt_ros.msg import ActionChunk, CapsuleEvent, Interrupt, TokenChunk
-from flashrt_ros.qos import ACTIONS_QOS, COMMAND_QOS, DIAGNOSTICS_QOS, INTERRUPT_QOS
+from flashrt_ros.msg import ActionChunk, AudioChunk, CapsuleEvent, Interrupt, TokenChunk
+from flashrt_ros.qos import ACTIONS_QOS, AUDIO_QOS, COMMAND_QOS, DIAGNOSTICS_QOS, INTERRUPT_QOS
 from flashrt_ros.qos import OBSERVATION_QOS, STREAM_QOS
 from flashrt_ros.runtime import BusyError, FlashRTError, Runtime
 from flashrt_ros.runtime.config import TIERS
@@ -34,7 +34,7 @@ from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
 from rclpy.qos import qos_policy_name_from_kind
 from rclpy.subscription import Subscription
 from sensor_msgs.msg import JointState
-from std_msgs.msg import Empty, Float32MultiArray, String
+from std_msgs.msg import Empty, Float32MultiArray, Int16MultiArray, String
 from std_srvs.srv import Trigger
 from trajectory_msgs.msg import JointTrajectory
 
@@ -86,6 +86,8 @@ class FlashRTNode(LifecycleNode):
         events_pub = self.create_lifecycle_publisher(CapsuleEvent, '~/events', STREAM_QOS)
         self._actions_pub = self.create_lifecycle_publisher(ActionChunk, '~/actions',
                                                             ACTIONS_QOS)
+        self._transcript_pub = self.create_lifecycle_publisher(TokenChunk, '~/transcript',
+                                                               STREAM_QOS)
         self._trajectory_pub = None
         if self._param('publish_joint_trajectory'):
             self._trajectory_pub = self.create_lifecycle_publisher(
@@ -123,7 +125,13 @@ class FlashRTNode(LifecycleNode):
                 (JointState, '~/observation', self._joint_state_callback, OBSERVATION_QOS,
                  None, state),
                 (Float32MultiArray, '~/observation_vector', self._vector_callback,
-                 OBSERVATION_QOS, None, state)):
+                 OBSERVATION_QOS, None, state),
+                (AudioChunk, '~/audio', self._audio_callback, AUDIO_QOS, None, state),
+                (Int16MultiArray, '~/audio_int16', self._int16_audio_callback, AUDIO_QOS,
+                 None, state),
+                (Float32MultiArray, '~/audio_float32', self._float32_audio_callback,
+                 AUDIO_QOS, None, state),
+                (Empty, '~/flush', self._flush_callback, COMMAND_QOS, None, state)):
             if not _MESSAGE_INFO and callback.__code__.co_argcount == 3:  # (self, msg, info)
                 callback = functools.partial(_without_info, callback)
             self.create_subscription(msg_type, topic, callback, qos, callback_group=group,
@@ -306,6 +314,11 @@ class FlashRTNode(LifecycleNode):
                 rows, names, 1.0 / self._param('control_rate'),
                 self._param('trajectory_field'), now))
 
+    def publish_transcript(self, utterance, index, ids, text, final):
+        """Publish a speech stream's tokens on ~/transcript."""
+        self._transcript_pub.publish(messages.transcript_chunk(
+            utterance, index, ids, text, final, self.get_clock().now().to_msg()))
+
     # ---- capsule services ------------------------------------------------------------
 
     def _call(self, operation, name, tier, response, call):
@@ -484,6 +497,54 @@ class FlashRTNode(LifecycleNode):
         mode = self._observing_mode()
         if mode is not None:
             mode.observe(list(msg.data), received_time(msg_info))
+
+    # ---- speech: audio in, transcript out ---------------------------------------------
+
+    def _speech_mode(self):
+        """Return the session's mode if it takes audio now, else None (and warn)."""
+        session = self._session
+        if session is not None and session.active and session.mode.accepts_audio:
+            return session.mode
+        reason = (f'the node runs mode {session.mode.name}' if self.active
+                  else self.not_active_message())
+        self.outputs.log('warning', f'audio ignored: {reason}', throttle_s=5.0)
+        return None
+
+    def _audio_callback(self, msg, msg_info):
+        """Feed an AudioChunk (its rate, format and sample index checked)."""
+        mode = self._speech_mode()
+        if mode is None:
+            return
+        try:
+            samples = messages.audio_samples(msg)
+        except ValueError as exc:
+            mode.reject_audio(str(exc))
+            return
+        mode.audio(samples, msg.sample_rate, msg.first_sample, received_time(msg_info))
+
+    def _int16_audio_callback(self, msg, msg_info):
+        """Feed mono int16 samples at the model's rate (not numbered: no gap check)."""
+        mode = self._speech_mode()
+        if mode is not None:
+            mode.audio(messages.np.asarray(msg.data, dtype=messages.np.int16), None, -1,
+                       received_time(msg_info))
+
+    def _float32_audio_callback(self, msg, msg_info):
+        """Feed mono float32 samples at the model's rate (not numbered: no gap check)."""
+        mode = self._speech_mode()
+        if mode is not None:
+            mode.audio(messages.np.asarray(msg.data, dtype=messages.np.float32), None, -1,
+                       received_time(msg_info))
+
+    def _flush_callback(self, msg):
+        """Publish the words the text delay still holds back (final transcript chunk)."""
+        mode = self._speech_mode()
+        if mode is None:
+            return
+        try:
+            mode.flush()
+        except Exception as exc:
+            mode.reject_audio(f'flush failed: {exc}')
 
     def _control_tick(self):
         session = self._session

@@ -41,6 +41,12 @@ class RosOutputs(Outputs):
     def actions(self, step, rows, names):
         self._node.publish_actions(step, rows, names)
 
+    def transcript(self, utterance, index, ids, text, final):
+        try:
+            self._node.publish_transcript(utterance, index, ids, text, final)
+        except Exception as exc:  # e.g. the node is being destroyed
+            self.log('warning', f'could not publish a transcript chunk: {exc!r}')
+
     def start_goal(self, turn):
         """Mark the goal executing and schedule the execute callback, which reports it."""
         goal_handle = turn.handle

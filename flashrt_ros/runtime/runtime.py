@@ -40,9 +40,8 @@ from .models.hf import load_adapter
 from .models.policy import is_policy_model, load_policy
 from .models.speech import is_speech_model, KyutaiSTTAdapter, load_speech, SpeechSpec
 from .policy_mode import ActionChunk, control_step
-from . import speech_mode
-from .speech_mode import TranscriptEvent
 from .preemption import preempt_with, Preemption
+from .speech_mode import check_audio, feed_samples, read_delayed, TranscriptEvent, warm_speech
 from .state.arena import dtype_from_name, StateArena
 from .state.capsule import BOUNDARY_NAME, Capsule, CapsuleInfo, validate_name, validate_tier
 from .state.codec import Cursor, StateCodec
@@ -218,12 +217,12 @@ class Runtime:
                     self.engine.step(torch.zeros(2, self.adapter.spec.obs_dim), 0, scratch)
                     self.engine.step(torch.zeros(1, self.adapter.spec.obs_dim), 2, scratch)
                 elif self.is_speech:
-                    speech_mode.warm(self)
+                    warm_speech(self)
                 else:
                     self.engine.prefill([0], 0)
                     self.engine.decode(0, 1)
-                if self.config.cuda_graphs and self._cuda and not (self.is_policy
-                                                                     or self.is_speech):
+                eager = self.is_policy or self.is_speech
+                if self.config.cuda_graphs and self._cuda and not eager:
                     self.arena.zero_()
                     self.engine.capture(self.arena.views)
             finally:
@@ -383,7 +382,7 @@ class Runtime:
     def check_audio(self, samples, sample_rate: int | None = None) -> torch.Tensor:
         """Return mono samples as float32 [N], or raise InvalidRequestError (nothing fed)."""
         self._require_mode(policy=False, speech=True)
-        return speech_mode.check_audio(self.adapter.spec, samples, sample_rate)
+        return check_audio(self.adapter.spec, samples, sample_rate)
 
     def feed_audio(self, samples, sample_rate: int | None = None) -> list[TranscriptEvent]:
         """
@@ -397,7 +396,7 @@ class Runtime:
         t0 = time.perf_counter()
         with self._lock:
             self._check_idle()
-            events = speech_mode.feed(self, audio)
+            events = feed_samples(self, audio)
             if events:
                 self._control_step_s = (time.perf_counter() - t0) / len(
                     {e.frame for e in events})
@@ -408,7 +407,7 @@ class Runtime:
         self._require_mode(policy=False, speech=True)
         with self._lock:
             self._check_idle()
-            return speech_mode.flush(self)
+            return read_delayed(self)
 
     # ---- capsules ---------------------------------------------------------------------
 

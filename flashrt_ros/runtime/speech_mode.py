@@ -62,12 +62,12 @@ def check_audio(spec, samples, sample_rate: int | None = None) -> torch.Tensor:
 
 
 def frames_needed(rt, samples: int) -> int:
-    """Decoder steps feeding `samples` more samples runs (the first frame also BOS)."""
+    """Count the decoder steps `samples` more samples run (the first frame also BOS)."""
     frames = (rt.adapter.samples + samples) // rt.adapter.spec.frame_size
     return frames + (1 if frames and rt.cursor.position == 0 else 0)
 
 
-def feed(rt, audio: torch.Tensor, commit: bool = True) -> list[TranscriptEvent]:
+def feed_samples(rt, audio: torch.Tensor, commit: bool = True) -> list[TranscriptEvent]:
     """Fold checked samples [N] into the state (lock held; see Runtime.feed_audio)."""
     adapter, cursor = rt.adapter, rt.cursor
     steps = frames_needed(rt, audio.numel())
@@ -126,7 +126,7 @@ def _emit(rt, logits: torch.Tensor, fed: int, frame: int) -> TranscriptEvent:
                            cursor.position)
 
 
-def flush(rt) -> list[TranscriptEvent]:
+def read_delayed(rt) -> list[TranscriptEvent]:
     """Read the delayed words: feed text-delay silence to a copy; live state unchanged."""
     spec = rt.adapter.spec
     frames = math.ceil(spec.text_delay_s * spec.sample_rate / spec.frame_size)
@@ -134,12 +134,12 @@ def flush(rt) -> list[TranscriptEvent]:
     silence = min(silence, (rt.config.max_seq_len - rt.cursor.position - 1) * spec.frame_size)
     saved = rt.codec.capture('flush', 'device')
     try:
-        return feed(rt, torch.zeros(max(silence, 0)), commit=False)
+        return feed_samples(rt, torch.zeros(max(silence, 0)), commit=False)
     finally:
         rt.codec.apply(saved)
 
 
-def warm(rt) -> None:
+def warm_speech(rt) -> None:
     """Run two frames of silence from a fresh state (the caller saves and puts back the state)."""
     rt.cursor.position, rt.cursor.pending = 0, None
-    feed(rt, torch.zeros(2 * rt.adapter.spec.frame_size), commit=False)
+    feed_samples(rt, torch.zeros(2 * rt.adapter.spec.frame_size), commit=False)

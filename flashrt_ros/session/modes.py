@@ -15,6 +15,7 @@ class Mode:
     name = ''
     kind = ''  # the kind of model, for messages ('a language model')
     accepts_observations = False  # whether ~/observation* feed it (observe, reject_observation)
+    accepts_audio = False  # whether ~/audio* feed it (audio, reject_audio, flush)
 
     def __init__(self, runtime, param, outputs):
         self.runtime = runtime

@@ -26,6 +26,7 @@ class SpeechMode(Mode):
 
     name = 'speech'
     kind = 'a speech model'
+    accepts_audio = True
 
     def __init__(self, runtime, param, outputs):
         super().__init__(runtime, param, outputs)

@@ -189,7 +189,7 @@ class KyutaiSTTAdapter(StateAdapter):
 
     @torch.inference_mode()
     def bos_step(self, position: int) -> torch.Tensor:
-        """The utterance's first decoder step (text BOS + audio BOS); return logits [V]."""
+        """Run the utterance's first decoder step (text and audio BOS); return logits [V]."""
         self.dec_binding.set_window(position + 1)
         out = self.model(input_ids=self._bos, cache=self.dec_binding.cache, use_cache=True)
         return out.logits[0, -1]

@@ -1,0 +1,128 @@
+"""Speech mode over real DDS: ~/audio in, ~/transcript out, gap checks, interrupt, reset."""
+
+from flashrt_ros.msg import Interrupt
+from flashrt_ros.node_process import NodeProcess
+from flashrt_ros.runtime import Runtime
+from node_harness import EventLog, HOME, start_client, wait_active, wait_until
+import numpy as np
+import pytest
+
+FRAME = 1920
+SPEECH_PARAMS = {'mode': 'speech', 'model': 'builtin:tiny-stt', 'max_seq_len': 512,
+                 'rollback_depth': 16, 'diagnostics_period': 1.0}
+
+
+def _audio(frames, seed):
+    rng = np.random.default_rng(seed)
+    t = np.arange(frames * FRAME) / 24000
+    tone = 0.3 * np.sin(2 * np.pi * (150 + 50 * seed) * t * (1 + t))
+    return (tone + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
+
+
+class _Speech:
+    """A client of the speech node, the transcript chunks and events it published."""
+
+    def __init__(self, proc):
+        self.client = start_client('flashrt_speech')
+        wait_active(self.client, proc)
+        assert self.client.wait_for_subscribers(10.0), 'the node does not subscribe'
+        self.chunks = []
+        self.client.subscribe_transcript(self.chunks.append)
+        self.events = EventLog(self.client)
+        self.sent = 0  # samples sent since the last reset (the next first_sample)
+
+    def send(self, audio, chunk=960):
+        for i in range(0, len(audio), chunk):
+            self.client.publish_audio(audio[i:i + chunk], 24000, self.sent + i)
+        self.sent += len(audio)
+
+    def words(self):
+        return [i for c in self.chunks for i in c.token_ids]
+
+
+@pytest.fixture(scope='module')
+def speech(tmp_path_factory, capsule_dir):
+    workdir = str(tmp_path_factory.mktemp('speech_node'))
+    proc = NodeProcess(workdir, dict(SPEECH_PARAMS, capsule_dir=capsule_dir),
+                       name='flashrt_speech')
+    s = _Speech(proc)
+    yield s
+    s.events.close()
+    s.client.close()
+    assert proc.stop() == 0, proc.log()[-2000:]
+
+
+@pytest.fixture(scope='module')
+def reference():
+    """Return a runtime of the same model in this process: what the node must transcribe."""
+    rt = Runtime({'model': 'builtin:tiny-stt', 'max_seq_len': 512})
+    yield rt
+    rt.close()
+
+
+def _reset(s):
+    start = len(s.events.events)
+    s.client.reset()
+    assert s.events.wait_for(lambda e: e.operation == 'reset' and e.success, start=start)
+    s.sent, s.chunks[:] = 0, []
+
+
+def _at(s, position, timeout=60.0):
+    """Wait until the node's live position (decoder steps) is `position`."""
+    return wait_until(
+        lambda: f'live position {position};' in s.client.list_capsules().message, timeout)
+
+
+def test_audio_in_transcript_out(speech, reference):
+    s = speech
+    _reset(s)
+    audio = _audio(12, seed=0)
+    reference.reset()
+    expected = [e.token_id for e in reference.feed_audio(audio) if not e.is_pad]
+    assert expected
+    s.send(audio)
+    assert wait_until(lambda: s.words() == expected, 60.0), (s.words(), expected)
+    assert all(c.turn_id == s.chunks[0].turn_id and not c.final for c in s.chunks)
+    digest = s.client.state_digest()
+    assert digest == reference.state_digest()
+    s.client.flush()  # the delayed words go out; the state stays
+    assert wait_until(lambda: s.chunks[-1].final, 30.0)
+    assert s.chunks[-1].stop_reason == 'flush' and s.client.state_digest() == digest
+
+
+def test_a_gap_or_a_wrong_rate_is_an_event_and_changes_nothing(speech):
+    s = speech
+    _reset(s)
+    s.send(_audio(2, seed=1))
+    assert _at(s, 3)
+    digest = s.client.state_digest()
+    start = len(s.events.events)
+    s.client.publish_audio(_audio(1, seed=2), 24000, s.sent + 480)  # 480 samples lost
+    event = s.events.wait_for(lambda e: e.operation == 'audio', start=start)
+    assert event is not None and not event.success
+    assert f'expected sample {s.sent}, got {s.sent + 480}' in event.message
+    s.client.publish_audio(_audio(1, seed=2), 16000, s.sent)
+    event = s.events.wait_for(lambda e: e.operation == 'audio' and '16000 Hz' in e.message,
+                              start=start)
+    assert event is not None and not event.success
+    assert s.client.state_digest() == digest
+
+
+def test_interrupt_rolls_back_frames_and_reset_goes_home(speech):
+    s = speech
+    _reset(s)
+    home = s.client.state_digest()
+    s.send(_audio(5, seed=3))
+    assert _at(s, 6)
+    assert s.client.snapshot('user_turn').success
+    turn = s.client.state_digest()
+    s.send(_audio(3, seed=4))  # echo of the robot's own voice
+    assert _at(s, 9)
+    start = len(s.events.events)
+    s.client.interrupt(mode=Interrupt.ROLLBACK, boundaries=3, reason='echo')
+    event = s.events.wait_for(lambda e: e.operation == 'interrupt', start=start)
+    assert event is not None and event.success and event.position == 6
+    assert s.client.state_digest() == turn
+    _reset(s)
+    assert s.client.state_digest() == home
+    assert [c.name for c in s.client.list_capsules().capsules if c.pinned] == [HOME]
