@@ -39,12 +39,13 @@ class Stream:
         self.done_at = {}  # frame index -> when the chunk completing it went out
         self.chunks = []  # (arrival time, TokenChunk)
         client.subscribe_transcript(lambda c: self.chunks.append((time.perf_counter(), c)))
-        self.frames = 0  # frames completed by what was sent (since the stream started)
+        self.frames = 0  # frames of the utterance completed by what was sent
+        self.base = 0  # frames of the utterance when the numbering last started
         time.sleep(0.3)
 
     def restart(self, frames):
-        """The node forgets the numbering after an interrupt or reset: start over."""
-        self.sent, self.frames = 0, frames
+        """Number from 0 again (the node does after an interrupt) at frame `frames`."""
+        self.sent, self.frames, self.base = 0, frames, frames
 
     def send(self, audio, real_time=True):
         """Publish audio in 40 ms chunks, paced at real time unless told otherwise."""
@@ -55,7 +56,7 @@ class Stream:
             part = audio[i:i + CHUNK]
             self.client.publish_audio(part, RATE, self.sent)
             self.sent += len(part)
-            while (self.frames + 1) * FRAME <= self.sent:
+            while self.frames < self.base + self.sent // FRAME:
                 self.done_at[self.frames] = time.perf_counter()
                 self.frames += 1
 
