@@ -44,7 +44,7 @@ class Stream:
         time.sleep(0.3)
 
     def restart(self, frames):
-        """Number from 0 again (the node does after an interrupt) at frame `frames`."""
+        """Restart the sample numbering at 0 (as the node does after an interrupt)."""
         self.sent, self.frames, self.base = 0, frames, frames
 
     def send(self, audio, real_time=True):
@@ -98,7 +98,7 @@ def _run_session(client, report, events):
                 f'{_ms(latencies)}; the node was {lag * 1e3:.1f} ms behind the last chunk')
     report.check(lag < 1.0, 'the node keeps up with real time')
 
-    report.section("The robot answers: snapshot, then its echo comes back for 0.96 s")
+    report.section('The robot answers: snapshot, then its echo comes back for 0.96 s')
     snap = client.snapshot('user_turn')
     turn_digest = client.state_digest()
     report.line(f'snapshot user_turn: position {snap.capsule.position}, '

@@ -3,7 +3,8 @@ The session layer (no ROS): who may touch the runtime's state, and when.
 
 Session composes one mode (lm.py, policy.py, speech.py; one module each behind
 modes.Mode), the turn scheduler (turns.py) and the interrupt and cancel policy
-(interrupts.py). The node maps ROS onto it; docs/architecture.md shows the layers and the concurrency rules.
+(interrupts.py). The node maps ROS onto it; docs/architecture.md shows the layers and
+the concurrency rules.
 """
 
 from .interrupts import InterruptMode, POLICY_MODES
