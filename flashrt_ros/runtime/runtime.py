@@ -390,7 +390,9 @@ class Runtime:
 
         Every completed frame is a committed boundary; the samples of a frame not yet
         complete wait in the arena. Bad input (rate, shape, type, NaN) or a full utterance
-        raises InvalidRequestError before the state is touched.
+        raises InvalidRequestError before the state is touched; a frame that fails in the
+        model puts the state back at the last completed frame (a reset with rollback_depth
+        0) and raises.
         """
         audio = self.check_audio(samples, sample_rate)
         t0 = time.perf_counter()

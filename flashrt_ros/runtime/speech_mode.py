@@ -87,13 +87,8 @@ def feed_samples(rt, audio: torch.Tensor, commit: bool = True) -> list[Transcrip
         done += take
         if adapter.samples < frame_size:
             break
-        try:
-            with guarded_forward(rt):
-                events += _frame(rt)
-        except BaseException:
-            if rt.ring.depth > 0:  # the torn frame goes: back to the last completed one
-                rt.codec.apply(rt.ring[-1])
-            raise
+        with guarded_forward(rt):  # a torn frame goes: back to the last completed one
+            events += _frame(rt)
         if commit:
             rt._commit()
     return events
