@@ -199,6 +199,23 @@ def test_bad_audio_is_refused_and_loses_nothing(stt):
     assert a == b
 
 
+def test_a_frame_failing_in_the_model_puts_the_last_frame_back(stt, monkeypatch):
+    rt = stt
+    audio = _audio(1.0, seed=12)
+    rt.feed_audio(audio[:5 * FRAME])
+    digest = rt.state_digest()
+
+    def boom(*args, **kwargs):
+        raise RuntimeError('out of memory')
+
+    monkeypatch.setattr(rt.adapter.model.model, 'forward', boom)  # the decoder, mid-frame
+    with pytest.raises(RuntimeError, match='out of memory'):
+        rt.feed_audio(audio[5 * FRAME:7 * FRAME + 500])
+    assert rt.state_digest() == digest
+    monkeypatch.undo()
+    assert len(rt.feed_audio(audio[5 * FRAME:7 * FRAME])) == 2
+
+
 def test_full_utterance_is_refused(make_runtime):
     rt = make_runtime(STT, max_seq_len=8)
     rt.feed_audio(np.zeros(6 * FRAME, dtype=np.float32))  # BOS + 6 frames: position 7
