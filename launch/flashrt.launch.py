@@ -26,7 +26,7 @@ def generate_launch_description():
                  for name, default, description in (
                      ('model', 'builtin:tiny-hybrid',
                       'builtin:<id> or a local checkpoint directory'),
-                     ('mode', 'lm', 'lm | policy (must match the model)'),
+                     ('mode', 'lm', 'lm | policy | speech (must match the model)'),
                      ('device', 'cpu', 'cpu | cuda | cuda:N'),
                      ('dtype', 'float32', 'float32 | bfloat16 | float16'),
                      ('params_file', default_params, 'parameter file (see config/flashrt.yaml)'),

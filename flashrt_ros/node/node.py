@@ -24,6 +24,7 @@ from flashrt_ros.runtime import BusyError, FlashRTError, Runtime
 from flashrt_ros.runtime.config import TIERS
 from flashrt_ros.session import BUSY_MESSAGE, InterruptMode, Session, Turn, TurnRequest
 from flashrt_ros.srv import DeleteCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
+import numpy as np
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 try:
@@ -526,14 +527,14 @@ class FlashRTNode(LifecycleNode):
         """Feed mono int16 samples at the model's rate (not numbered: no gap check)."""
         mode = self._speech_mode()
         if mode is not None:
-            mode.audio(messages.np.asarray(msg.data, dtype=messages.np.int16), None, -1,
+            mode.audio(np.asarray(msg.data, dtype=np.int16), None, -1,
                        received_time(msg_info))
 
     def _float32_audio_callback(self, msg, msg_info):
         """Feed mono float32 samples at the model's rate (not numbered: no gap check)."""
         mode = self._speech_mode()
         if mode is not None:
-            mode.audio(messages.np.asarray(msg.data, dtype=messages.np.float32), None, -1,
+            mode.audio(np.asarray(msg.data, dtype=np.float32), None, -1,
                        received_time(msg_info))
 
     def _flush_callback(self, msg):
