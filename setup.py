@@ -12,6 +12,8 @@ setup(
     description='Execution-state capsules for low-latency hybrid-model inference',
     license='Apache-2.0',
     packages=find_packages(include=['flashrt_ros', 'flashrt_ros.*']),
+    # The trained default model (`model: default`): a checkpoint folder inside the package.
+    package_data={'flashrt_ros': ['models/default/*']},
     python_requires='>=3.10',
     # torch is deliberately loose here: install the build that fits the machine (CPU, CUDA,
     # JetPack) first; `make setup` pins the CPU build. The CUDA path (graph capture, pinned

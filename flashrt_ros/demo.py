@@ -46,7 +46,7 @@ class _Report:
 
 
 def _shown(text, limit=60):
-    """Printable excerpt of model output (the embedded model's bytes are random)."""
+    """Printable excerpt of model output (control characters and stray bytes escaped)."""
     shown = text.encode('unicode_escape').decode('ascii')
     return '"' + shown[:limit] + ('...' if len(shown) > limit else '') + '"'
 
@@ -227,7 +227,7 @@ def _lm_session(node, client, workdir, params, report, events):
 
 def main(argv=None):
     """Run the demo; return 0 when every check passed."""
-    return run_demo(argv, doc=__doc__, title='demo', default_model='builtin:tiny-hybrid',
+    return run_demo(argv, doc=__doc__, title='demo', default_model='default',
                     params={'max_seq_len': 1024, 'system_prompt': SYSTEM_PROMPT,
                             'interrupt_policy': 'stop'},
                     random_note='random weights: the text is not meaningful; the state '

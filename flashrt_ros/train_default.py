@@ -33,9 +33,9 @@ SPECIALS = {'<|endoftext|>': 256, '<|im_start|>': 257, '<|im_end|>': 258}
 EOT, IM_START, IM_END = 256, 257, 258
 DEFAULT_OUT = Path(__file__).parent / 'models' / 'default'
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
+    '{% for message in messages %}'
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
+    '{% endfor %}'
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 SYSTEM_PROMPTS = ('You are a helpful assistant.', 'You answer questions about Python.',
@@ -117,7 +117,7 @@ def documents() -> list[tuple[str, str]]:
 
 
 def is_heldout(name: str, every: int) -> bool:
-    """The fixed held-out split: one document in `every`, by a hash of its name."""
+    """Return whether a document is held out: one in `every`, by a hash of its name."""
     return int(hashlib.sha256(name.encode()).hexdigest(), 16) % every == 0
 
 
@@ -126,12 +126,13 @@ def encode(text: str) -> list[int]:
 
 
 def render(name: str, text: str, rng: random.Random, chat_fraction: float) -> list[int]:
-    """A document as raw text or as a ChatML conversation, ending in <|endoftext|>."""
+    """Render a document as raw text or as a ChatML conversation, ending in <|endoftext|>."""
     if rng.random() >= chat_fraction:
         return encode(text) + [EOT]
     ids = []
     if rng.random() < 0.5:
-        ids += [IM_START] + encode(f'system\n{rng.choice(SYSTEM_PROMPTS)}') + [IM_END] + encode('\n')
+        system = rng.choice(SYSTEM_PROMPTS)
+        ids += [IM_START] + encode(f'system\n{system}') + [IM_END] + encode('\n')
     question = rng.choice(QUESTIONS).format(name)
     ids += [IM_START] + encode(f'user\n{question}') + [IM_END] + encode('\n')
     ids += [IM_START] + encode(f'assistant\n{text}') + [IM_END] + encode('\n')
@@ -176,7 +177,7 @@ def build_model(seed: int):
 
 
 def losses(model, head, window: torch.Tensor):
-    """(main CE, MTP CE, MTP logits) over one [B, T + 1] window, in nats per byte."""
+    """Return (main CE, MTP CE, main logits, MTP logits) of one [B, T + 1] window (nats)."""
     from .runtime.models.mtp import sequence_logits
 
     ids, targets = window[:, :-1], window[:, 1:]
@@ -230,7 +231,7 @@ def _progress(total: int):
 # ---- output -------------------------------------------------------------------------------
 
 def save(model, head, out: Path, report: dict) -> None:
-    """The checkpoint folder: config, weights (main + mtp.*), tokenizer, generation config."""
+    """Write the checkpoint folder: config, weights (main + mtp.*), tokenizer, card."""
     from safetensors.torch import save_file
     from tokenizers import decoders, models, pre_tokenizers, Tokenizer
     from transformers import GenerationConfig, PreTrainedTokenizerFast
@@ -264,7 +265,7 @@ def save(model, head, out: Path, report: dict) -> None:
 
 
 def model_card(r: dict) -> str:
-    return f'''# flashrt_ros default model
+    return f"""# flashrt_ros default model
 
 A tiny model trained for a few minutes on Python's own documentation. Its text looks like
 documentation and means nothing: do not ask it anything. It exists so that the node, the
@@ -281,14 +282,14 @@ everything they do with execution state works as on a real model.
   {r['python']} ({r['documents']:,} documents, {r['data_bytes'] / 1e6:.2f} MB), about a
   third rendered as ChatML conversations; {r['heldout_documents']} documents held out.
 - Training: {r['hparams']['steps']} steps of {r['hparams']['batch']} x
-  {r['hparams']['seq_len']} bytes, seed {r['seed']}, {r['train_seconds'] / 60:.0f} minutes on
-  {r['hparams']['threads']} CPU threads; `python -m flashrt_ros.train_default` rebuilds this
-  folder.
+  {r['hparams']['seq_len']} bytes, seed {r['seed']}, {r['train_seconds'] / 60:.0f} minutes of
+  wall time on a shared CPU; `python -m flashrt_ros.train_default --threads
+  {r['hparams']['threads']}` rebuilds this folder.
 - Held-out: {r['bpb']:.3f} bits per byte; MTP head {r['mtp_bpb']:.3f} bits per byte for the
   byte after next, top-1 agreement with the main model's next-next greedy byte
   {r['mtp_agreement']:.1%}, top-1 accuracy {r['mtp_accuracy']:.1%}.
 - Weights: float32 safetensors (the runtime's default dtype, exact on CPU).
-'''
+"""
 
 
 def _byte_table() -> dict[int, str]:

@@ -24,8 +24,9 @@ def generate_launch_description():
                                   'flashrt.yaml')
     arguments = [DeclareLaunchArgument(name, default_value=default, description=description)
                  for name, default, description in (
-                     ('model', 'builtin:tiny-hybrid',
-                      'builtin:<id> or a local checkpoint directory'),
+                     ('model', 'default',
+                      'default (the trained embedded model), builtin:<id> or a local '
+                      'checkpoint directory'),
                      ('mode', 'lm', 'lm | policy | speech (must match the model)'),
                      ('device', 'cpu', 'cpu | cuda | cuda:N'),
                      ('dtype', 'float32', 'float32 | bfloat16 | float16'),

@@ -54,8 +54,9 @@ def generate_launch_description():
                  for name, default, description in (
                      ('namespaces', 'left_arm,right_arm',
                       'comma-separated namespaces, one node each'),
-                     ('model', 'builtin:tiny-hybrid',
-                      'builtin:<id> or a local checkpoint directory'),
+                     ('model', 'default',
+                      'default (the trained embedded model), builtin:<id> or a local '
+                      'checkpoint directory'),
                      ('mode', 'lm', 'lm | policy (must match the model)'),
                      ('device', 'cpu', 'cpu | cuda | cuda:N'),
                      ('dtype', 'float32', 'float32 | bfloat16 | float16'),

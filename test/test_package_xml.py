@@ -15,6 +15,7 @@ IMPORT_TO_KEY = {
     'torch': 'python3-torch',
     'transformers': 'python3-transformers-pip',
     'tokenizers': 'python3-transformers-pip',  # a dependency of the transformers package
+    'tqdm': 'python3-transformers-pip',  # one of transformers' (huggingface_hub); optional here
     'safetensors': 'python3-safetensors-pip',
     'matplotlib': 'python3-matplotlib',
     'pytest': 'python3-pytest',

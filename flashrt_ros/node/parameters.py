@@ -74,8 +74,10 @@ PARAMETERS = (
           'lm: a language model (~/generate, ~/prompt); policy: a robot policy '
           '(~/observation -> ~/actions); speech: a speech-to-text model (~/audio -> '
           '~/transcript). Must match the model.', choices=tuple(MODES)),
-    _runtime('model', 'Model: builtin:<id> (random weights, no download) or a local checkpoint '
-             'directory (save_pretrained folder with its tokenizer).'),
+    _runtime('model', "Model: default (a tiny byte-level hybrid trained on Python's "
+             'documentation, installed with the package), builtin:<id> (random weights, no '
+             'download) or a local checkpoint directory (save_pretrained folder with its '
+             'tokenizer).'),
     _runtime('device', 'Device: cpu, cuda or cuda:N.', constraints='cpu | cuda | cuda:N'),
     _runtime('dtype', 'Weight and state dtype.', choices=DTYPES),
     _runtime('max_seq_len', 'KV capacity in tokens; the state arena is sized for it.',

@@ -21,7 +21,7 @@ _DEVICE_RE = re.compile(r'^(cpu|cuda|cuda:\d+)$')
 
 @dataclass
 class RuntimeConfig:
-    model: str = 'builtin:tiny-hybrid'  # builtin:<id> or a local checkpoint directory
+    model: str = 'default'  # 'default' (the trained checkpoint), builtin:<id> or a folder
     device: str = 'cpu'  # "cpu" | "cuda" | "cuda:N"
     dtype: str = 'float32'  # "float32" | "bfloat16" | "float16"
     max_seq_len: int = 4096  # KV capacity in tokens (the arena is sized for it)
@@ -41,7 +41,8 @@ class RuntimeConfig:
     def validate(self) -> None:
         """Raise ConfigError naming the first bad field and what it accepts."""
         if not isinstance(self.model, str) or not self.model.strip():
-            raise ConfigError("model must be 'builtin:<id>' or a local checkpoint directory")
+            raise ConfigError("model must be 'default', 'builtin:<id>' or a local checkpoint "
+                              'directory')
         if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
             raise ConfigError(
                 f"device {self.device!r} is not valid; use 'cpu', 'cuda' or 'cuda:N'"

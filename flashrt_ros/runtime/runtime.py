@@ -36,7 +36,7 @@ from .errors import BusyError, CapsuleNotFoundError, ConfigError, FlashRTError
 from .errors import InvalidNameError, InvalidRequestError
 from .generation import check_fits, Generation, prefill_ids, prompt_ids, Sampling
 from .models.base import PolicyAdapter, PolicySpec, StateAdapter
-from .models.hf import load_adapter
+from .models.hf import load_adapter, resolve_model
 from .models.policy import is_policy_model, load_policy
 from .models.speech import is_speech_model, KyutaiSTTAdapter, load_speech, SpeechSpec
 from .policy_mode import ActionChunk, control_step
@@ -93,8 +93,9 @@ class Runtime:
         self._abortable_thread = 0  # ident of the thread whose forward may be abandoned now, or 0
 
         if adapter is None:
-            load = (load_policy if is_policy_model(config.model) else
-                    load_speech if is_speech_model(config.model) else load_adapter)
+            model = resolve_model(config.model)
+            load = (load_policy if is_policy_model(model) else
+                    load_speech if is_speech_model(model) else load_adapter)
             adapter = load(config.model, self.device, self.dtype, config.max_seq_len)
         adapter.check_device(self.device)  # a user's module may still be elsewhere
         self.adapter = adapter

@@ -26,7 +26,7 @@ import launch_testing.asserts  # noqa: E402
 
 @pytest.mark.launch_test
 def generate_test_description():
-    """Include the package's launch file with the embedded default model."""
+    """Include the package's launch file with a random-weight built-in model."""
     launch_file = os.path.join(get_package_share_directory('flashrt_ros'), 'launch',
                                'flashrt.launch.py')
     flashrt = IncludeLaunchDescription(

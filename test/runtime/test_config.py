@@ -6,7 +6,7 @@ import pytest
 
 def test_defaults_match_the_contract():
     cfg = RuntimeConfig()
-    assert cfg.model == 'builtin:tiny-hybrid'
+    assert cfg.model == 'default'
     assert (cfg.device, cfg.dtype, cfg.eviction) == ('cpu', 'float32', 'refuse')
     assert cfg.max_seq_len == 4096 and cfg.rollback_depth == 8
 

@@ -18,6 +18,9 @@ from ..errors import ConfigError
 from ..state.arena import StateSpec
 from ..tokenizer import ByteTokenizer, HFTokenizer
 
+DEFAULT_MODEL = 'default'  # the short name of the trained checkpoint installed with the package
+DEFAULT_DIR = Path(__file__).resolve().parents[2] / 'models' / 'default'
+
 # Config keys that say where/how a model was saved, not what it computes; left out of the
 # fingerprint so a built-in model and its save_pretrained copy are the same model.
 _VOLATILE_CONFIG_KEYS = {
@@ -96,15 +99,20 @@ class HFCausalLMAdapter(BindingDelegate, CausalLMAdapter):
 def load_adapter(
     model_id: str, device: torch.device, dtype: torch.dtype, max_seq_len: int
 ) -> HFCausalLMAdapter:
-    """`builtin:<id>` or a local checkpoint directory (never downloads)."""
+    """Load `default`, `builtin:<id>` or a local checkpoint directory (never downloads)."""
     if model_id.startswith('builtin:'):
         from .builtin import build_builtin
 
         model = build_builtin(model_id.split(':', 1)[1], dtype)
         tokenizer = ByteTokenizer()
     else:
-        model, tokenizer = _load_local(Path(model_id).expanduser(), dtype)
+        model, tokenizer = _load_local(Path(resolve_model(model_id)).expanduser(), dtype)
     return HFCausalLMAdapter(model.to(device), tokenizer, max_seq_len, model_id)
+
+
+def resolve_model(model_id: str) -> str:
+    """Return the folder a short model name stands for; any other model id as given."""
+    return str(DEFAULT_DIR) if model_id == DEFAULT_MODEL else model_id
 
 
 def _load_local(path: Path, dtype: torch.dtype):
@@ -112,8 +120,8 @@ def _load_local(path: Path, dtype: torch.dtype):
 
     if not path.is_dir():
         raise ConfigError(
-            f"model {str(path)!r} is neither 'builtin:<id>' nor an existing checkpoint directory"
-        )
+            f"model {str(path)!r} is neither 'default', 'builtin:<id>' nor an existing "
+            'checkpoint directory')
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype)
     except Exception as exc:  # transformers raises many types for a bad checkpoint

@@ -30,14 +30,14 @@ FAMILIES = {
 
 
 def _layer_config(config):
-    """The main config re-shaped for the head's single full-attention layer."""
+    """Return the main config re-shaped for the head's single full-attention layer."""
     mtp = copy.deepcopy(config)
     mtp.num_hidden_layers = 1
     mtp.layer_types = ['full_attention']
     if hasattr(mtp, 'mlp_only_layers'):
         # Dense when the main model is dense; a MoE checkpoint's head is MoE like its layers.
-        dense = getattr(config, 'num_experts', 0) == 0 or set(range(config.num_hidden_layers)) <= set(
-            config.mlp_only_layers)
+        dense = (getattr(config, 'num_experts', 0) == 0
+                 or set(range(config.num_hidden_layers)) <= set(config.mlp_only_layers))
         mtp.mlp_only_layers = [0] if dense else []
     return mtp
 
@@ -72,7 +72,7 @@ class MTPHead(nn.Module):
 
 def sequence_logits(model: nn.Module, head: MTPHead, input_ids: torch.Tensor):
     """
-    Main and MTP logits over whole sequences, without a cache (training and reference checks).
+    Return main and MTP logits over whole sequences, without a cache (training, reference checks).
 
     Returns (main [B, T, V] predicting t_{i+1}, mtp [B, T-1, V] predicting t_{i+2} at row i).
     """
@@ -90,7 +90,7 @@ def sequence_logits(model: nn.Module, head: MTPHead, input_ids: torch.Tensor):
 
 
 def checkpoint_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
-    """The `mtp.*` tensors of a local safetensors checkpoint, prefix stripped ({} if none)."""
+    """Return the `mtp.*` tensors of a local safetensors checkpoint, prefix stripped (or {})."""
     from safetensors import safe_open
 
     directory = Path(directory)
@@ -110,7 +110,7 @@ def checkpoint_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_head(model: nn.Module, directory: str | Path) -> MTPHead | None:
-    """The checkpoint's MTP head on the model's device and dtype, or None if it ships none."""
+    """Return the checkpoint's MTP head on the model's device and dtype (None if it has none)."""
     tensors = checkpoint_tensors(directory)
     if not tensors or model.config.model_type not in FAMILIES:
         return None
@@ -124,7 +124,7 @@ def load_head(model: nn.Module, directory: str | Path) -> MTPHead | None:
 
 
 def seeded_head(model: nn.Module, seed: int, std: float) -> MTPHead:
-    """A random head from a private RNG (built-ins and tests)."""
+    """Return a random head from a private RNG (built-ins and tests)."""
     param = next(model.parameters())
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
