@@ -111,14 +111,19 @@ def fig5_disk_interrupts(plan, device, log):
     capsule_dir = os.path.join(workdir, 'capsules')
     node_proc = NodeProcess(workdir, _params(device, capsule_dir))
     client, result = None, {'title': 'Interrupts over ROS while a 30 MB disk snapshot is written'}
-    rounds = max(3, plan.interrupts // 10)
+    rounds = max(3, plan.interrupts // 4)
     try:
         client = _BareClient(domain)
         node = client.node
         restore = node.create_client(Restore, f'/{NODE}/restore')
         snapshot = node.create_client(Snapshot, f'/{NODE}/snapshot')
         log(f'fig5disk waiting for the node ({MODEL})')
-        _wait_ready(client, [restore, snapshot], node_proc)
+        for _ in range(10):  # the node may not answer while it loads and activates
+            try:
+                _wait_ready(client, [restore, snapshot], node_proc)
+                break
+            except TimeoutError as exc:
+                log(f'fig5disk {exc}; waiting on')
         _, home = client.call(snapshot, Snapshot.Request(name='home_disk', tier='disk'))
         if not home.success:
             raise RuntimeError(f'snapshot home_disk: {home.message}')
@@ -150,7 +155,7 @@ def fig5_disk_interrupts(plan, device, log):
                 overlapped += outcome[2]
             log(f'fig5disk {i + 1}/{rounds} rounds')
         result.update({'node_model': MODEL, 'ros_domain_id': domain,
-                       'disk_snapshot_bytes': home.capsule.nbytes, 'rounds': rounds,
+                       'disk_snapshot_bytes': home.capsule.size_bytes, 'rounds': rounds,
                        'missed_by_what': missed,
                        'loaded_answered_during_the_write': overlapped})
         result['rows'] = []  # one per mode (the report's table and plot)

@@ -198,9 +198,9 @@ def fig5disk(f, path, subtitle):
         ax.bar(xs, med, 0.4, yerr=err, capsize=4, color=color, label=label)
     for i, r in enumerate(rows):
         if r['ratio_median'] is not None:
-            ax.annotate(f'{r["ratio_median"]:.2f}x', (i + 0.2, r['during_disk_write']['e2e_ms']
-                                                       ['median']),
-                        textcoords='offset points', xytext=(0, 3), ha='center', fontsize=8)
+            top = r['during_disk_write']['e2e_ms']['median']
+            ax.annotate(f'{r["ratio_median"]:.2f}x', (i + 0.2, top), textcoords='offset points',
+                        xytext=(0, 3), ha='center', fontsize=8)
     ax.set_xticks(range(len(rows)), [r['mode'].replace('_', ' ') for r in rows])
     ax.set_ylabel('interrupt -> event at the client, ms (median; bars p10-p90)')
     ax.set_title(f'Interrupts while a {f["disk_snapshot_bytes"] / 1e6:.0f} MB disk snapshot is '

@@ -27,6 +27,8 @@ Invariants kept by everyone that writes the arena, along the row block:
     live state provably shares with the capsule (see rows_shared): the interrupt path,
     back to a checkpoint taken moments ago, then copies the head (recurrent and conv
     state) and zeroes the few rows written since, whatever the length of the context.
+    The rollback ring's commit boundaries rely on the same: they hold the head alone
+    (pack(head_only=True)) and take their rows from the live arena (state/ring.py).
 A sequence tensor of another length than the row block (a rolling window of recent steps,
 whose old rows are rewritten, e.g. a sliding-window KV) lives in the head and is always
 copied whole.
