@@ -383,9 +383,9 @@ def test_a_disk_write_holds_up_no_other_capsule_operation(make_runtime, monkeypa
         assert names == {'old', 'other'}  # 'big' is not published yet
         tier = rt.stats().tiers['disk']
         assert (tier.count, tier.bytes_used) == (2, 2 * size + rt.store._writing['big'])
-        with pytest.raises(FlashRTError, match='being written'):
+        with pytest.raises(InvalidRequestError, match='being written'):
             rt.snapshot('big', tier='device')  # the name is reserved
-        with pytest.raises(FlashRTError, match='being written'):
+        with pytest.raises(InvalidRequestError, match='being written'):
             rt.delete_capsule('big')
         # Another disk snapshot counts the reserved bytes: it has to evict 'old' for them.
         _within(5.0, lambda: rt.snapshot('third', tier='disk'))

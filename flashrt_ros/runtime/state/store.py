@@ -44,7 +44,7 @@ import torch
 from . import disk
 from .capsule import Capsule, CapsuleInfo, not_found, validate_name
 from ..errors import BudgetExceededError, CapsuleNotFoundError, CorruptCapsuleError
-from ..errors import FingerprintMismatchError, FlashRTError
+from ..errors import FingerprintMismatchError, InvalidRequestError
 
 
 class CapsuleStore:
@@ -159,7 +159,7 @@ class CapsuleStore:
 
     def _check_not_writing(self, name: str) -> None:
         if name in self._writing:
-            raise FlashRTError(
+            raise InvalidRequestError(
                 f'capsule {name!r} is being written to disk now; try again when that '
                 'snapshot has returned, or pick another name')
 
