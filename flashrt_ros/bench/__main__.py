@@ -31,7 +31,8 @@ from .figures import (
 from .measure import BENCH_MODEL
 from .report import to_markdown, to_text
 
-FIGURES = ('fig1', 'fig2', 'fig3', 'fig4', 'fig5', 'fig6')
+FIGURES = ('fig1', 'fig2', 'fig3', 'fig4', 'fig5', 'fig5disk', 'fig6')
+ROS_FIGURES = {'fig5', 'fig5disk'}  # node processes only: no runtime in this process
 FULL_LENGTHS = [512, 1024, 2048, 4096, 8192, 16384]
 QUICK_LENGTHS = [256, 512]
 
@@ -113,6 +114,10 @@ def run_figure(key, rt, args, plan, log):
             from .through_ros import fig5_through_ros  # imports rclpy: only fig5 needs ROS
 
             result = fig5_through_ros(plan, args.device, log)
+        elif key == 'fig5disk':
+            from .disk_interrupts import fig5_disk_interrupts
+
+            result = fig5_disk_interrupts(plan, args.device, log)
         else:
             fn = {'fig1': fig1_snapshot_restore, 'fig2': fig2_ttft, 'fig3': fig3_correctness,
                   'fig4': fig4_decode, 'fig6': fig6_kv_only_prefix}[key]
@@ -154,7 +159,7 @@ def main(argv=None):
                'machine': machine_info(), 'device': device_info(args.device)}
     rt = None
     try:
-        if set(args.only) - {'fig5'}:
+        if set(args.only) - ROS_FIGURES:
             log(f'building {args.model} on {args.device} ({args.dtype})')
             rt = build_runtime(args, plan)
             results['model'] = model_info(rt)

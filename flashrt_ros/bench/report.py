@@ -94,6 +94,18 @@ def _fig5(f):
     return header, rows
 
 
+def _fig5disk(f):
+    header = ['interrupt', 'client ms: quiet', 'during the write', 'ratio (median / p99)',
+              'node ms: quiet', 'during the write', 'n']
+    rows = [[r['mode'].replace('_', ' '), _ms(r['quiet']['e2e_ms']),
+             _ms(r['during_disk_write']['e2e_ms']),
+             f"{_num(r['ratio_median'])} / {_num(r['ratio_p99'])}",
+             _ms(r['quiet']['node_ms']), _ms(r['during_disk_write']['node_ms']),
+             f"{r['quiet']['e2e_ms']['n']} / {r['during_disk_write']['e2e_ms']['n']}"]
+            for r in f['rows']]
+    return header, rows
+
+
 def _fig6(f):
     header = ['tokens', 'capsule restore ms', 'KV-only restore ms', 'rebuild needed ms',
               'recurrent layers only ms', 'KV path / capsule', 'oracle / capsule']
@@ -105,6 +117,7 @@ def _fig6(f):
 
 
 TABLES = {'fig1': _fig1, 'fig2': _fig2, 'fig3': _fig3, 'fig4': _fig4, 'fig5': _fig5,
+          'fig5disk': _fig5disk,
           'fig6': _fig6}
 
 

@@ -7,7 +7,8 @@ the rollback ring, the turn running now (generation.py) and a waiting preemption
 (preemption.py).
 
 Committed boundaries: the end of a prefill, the end of a turn, reset(), every act() and the
-state a restore/rollback lands on; the rollback ring keeps the last `rollback_depth`.
+state a restore/rollback lands on; the rollback ring keeps the last `rollback_depth` of
+those the live sequence rows still hold (state/ring.py).
 
 Concurrency: one writer. Every state access holds `_lock` (the step lock); a generation
 claims the writer slot from generate() until it finishes, and state-changing calls made
@@ -193,10 +194,10 @@ class Runtime:
         return time.perf_counter()
 
     def _commit(self) -> None:
-        """Mark the live state as a committed boundary (push it on the rollback ring)."""
+        """Mark the live state as a committed boundary (push its head on the rollback ring)."""
         if self.ring.depth > 0:
-            name = BOUNDARY_NAME.format(self.cursor.position)
-            self.ring.push(self.codec.capture(name, 'device'))
+            self.ring.prune(self.arena.rows_shared)
+            self.ring.commit(self.codec.boundary(self.ring.head_only))
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -466,8 +467,9 @@ class Runtime:
         """Apply a checked capsule, push the boundary it lands on, time it (lock held)."""
         self._check_open()
         kinds = None if mode == 'full' else set(self.arena.kinds) - KV_ONLY_SKIPS
-        entry = self.codec.restore(cap, meta, kinds, boundary=self.ring.depth > 0)
+        entry = self.codec.restore(cap, meta, kinds, self.ring.depth > 0, self.ring.head_only)
         if entry is not None:
+            self.ring.prune(self.arena.rows_shared)  # boundaries of a branch left behind
             self.ring.push(entry)
         if self._cuda:
             torch.cuda.synchronize(self.device)  # the info's latency covers the copy itself
@@ -540,6 +542,7 @@ class Runtime:
         """
         self._check_open()
         newer = boundaries - 1 if from_newest else boundaries  # ring entries past the target
+        self.ring.prune(self.arena.rows_shared)  # none, unless the lineage was forgotten
         self._check_rollback(newer)
         target = self.ring[-1 - newer]
         self.codec.apply(target)
@@ -547,9 +550,10 @@ class Runtime:
         if self._cuda:
             torch.cuda.synchronize(self.device)  # the info's latency covers the copy
         dt = time.perf_counter() - t0
-        # Reported as the boundary it is, whatever capsule the ring held for it.
+        # Reported as the boundary it is (the state's size), whatever entry the ring held.
         return target.info(dt, tier='device')._replace(
-            name=BOUNDARY_NAME.format(target.position), pinned=False)
+            name=BOUNDARY_NAME.format(target.position), pinned=False,
+            nbytes=target.packing.nbytes)
 
     def list_capsules(self, tier: str | None = None, unreadable: list[str] | None = None,
                       foreign: list[str] | None = None) -> list[CapsuleInfo]:
@@ -607,7 +611,7 @@ class Runtime:
             tiers={t: TierStats(*usage[t], self.store.budgets[t]) for t in TIERS},
             rollback_ring=RingStats(len(ring), ring.nbytes(), ring.depth, len(ring.retired),
                                     ring.retired_nbytes(self.store.memory_capsules()),
-                                    ring.budget),
+                                    ring.budget, ring.last_commit_bytes, ring.lineage_drops),
             last_restore_s=self._last_restore_s,
             last_restore_copied_bytes=self.codec.last_copied_bytes,
             blob_pool_idle_bytes=0 if self._pool is None else self._pool.idle_bytes,

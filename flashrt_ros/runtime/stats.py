@@ -25,6 +25,8 @@ class RingStats:
     retired_count: int
     retired_bytes: int  # bytes only the retired entries keep
     budget: int = 0  # ring_budget_bytes; 0 = unlimited
+    last_commit_bytes: int = 0  # what the last commit copied: the state's head (state/ring.py)
+    lineage_drops: int = 0  # boundaries dropped since start because the live rows moved on
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,20 @@ def hardened(tmp_path_factory):
         yield client, node
 
 
-def test_an_interrupt_does_not_wait_for_a_disk_snapshot(hardened, monkeypatch):
-    """~/interrupt has a callback group of its own: a snapshot's disk write cannot hold it."""
+@pytest.mark.parametrize('tier', ['device', 'disk'])
+def test_an_interrupt_does_not_wait_for_a_disk_snapshot(hardened, monkeypatch, tier):
+    """
+    ~/interrupt has a callback group of its own: a snapshot's disk write cannot hold it.
+
+    Nor can the capsule store: the file is written outside its lock, so a RESTORE of
+    another disk capsule reads that one meanwhile.
+    """
     client, node = hardened
+    capsule = HOME
+    if tier == 'disk':
+        assert client.restore(HOME).success
+        capsule = 'home_on_disk'
+        assert client.snapshot(capsule, tier='disk').success
     gate = {'writing': threading.Event(), 'go_on': threading.Event()}
     _block_disk_writes(monkeypatch, gate)
     events = EventLog(client)
@@ -49,10 +60,11 @@ def test_an_interrupt_does_not_wait_for_a_disk_snapshot(hardened, monkeypatch):
         assert client.generate('Go somewhere else.', max_new_tokens=3).result.success
         saver.start()
         assert gate['writing'].wait(10.0), 'the disk write never started'
-        client.interrupt(mode=Interrupt.RESTORE, capsule=HOME, reason='e-stop')
+        client.interrupt(mode=Interrupt.RESTORE, capsule=capsule, reason='e-stop')
         event = events.wait_for(lambda e: e.operation == 'interrupt', timeout=5.0)
         assert event is not None, 'the interrupt waited for the disk write'
         assert event.success, event.message
+        assert event.tier == tier
         assert saver.is_alive(), 'the disk write was not held during the interrupt'
     finally:
         gate['go_on'].set()
@@ -60,6 +72,8 @@ def test_an_interrupt_does_not_wait_for_a_disk_snapshot(hardened, monkeypatch):
         events.close()
     assert answers and answers[0].success, answers
     assert client.delete_capsule('big_on_disk').success
+    if tier == 'disk':
+        assert client.delete_capsule(capsule).success
 
 
 @pytest.mark.parametrize('name, value', [('model', 'builtin:tiny-llama'),

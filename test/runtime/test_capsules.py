@@ -83,12 +83,20 @@ def test_rollback_returns_to_earlier_boundaries_exactly(make_runtime):
         rt.rollback(10)
 
 
-def test_rollback_undoes_a_restore(make_runtime):
+def test_rollback_undoes_a_restore_when_the_state_before_it_is_still_held(make_runtime):
     rt = make_runtime()
     rt.snapshot('empty')
     rt.prefill(PROMPT)
+    rt.snapshot('prompt')
     digest = rt.state_digest()
+    rt.restore('empty')  # the prompt's commit needs the rows this zeroes: it leaves the ring
+    assert rt.stats().rollback_ring.lineage_drops == 1
+    rt.restore('prompt')
     rt.restore('empty')
+    rt.rollback(1)  # 'prompt' went on the ring whole: the restore is undone
+    assert rt.state_digest() == digest
+    rt.prefill(' and')
+    rt.restore('prompt')  # a boundary of the same branch: the commit before stays
     rt.rollback(1)
     assert rt.state_digest() == digest
 

@@ -16,7 +16,8 @@ import torch
 
 
 def _full_copy_only(rt):
-    rt.arena.rows_shared = lambda epoch: 0  # as if no lineage were ever known
+    rt.arena.skip_shared_rows = False  # every restore copies the whole capsule
+    rt.ring.head_only = False  # and every boundary is a whole copy
     return rt
 
 

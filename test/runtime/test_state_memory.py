@@ -8,22 +8,39 @@ import torch
 
 def test_the_ring_drops_its_oldest_entries_to_stay_within_its_budget(make_runtime):
     probe = make_runtime()
-    probe.prefill([5] * 20)
-    entry = probe.ring[-1].nbytes  # one boundary at position 20
-    rt = make_runtime(rollback_depth=8, ring_budget_bytes=3 * entry)
-    assert rt.stats().rollback_ring.budget == 3 * entry
+    head = probe.arena.head_nbytes  # what a commit's boundary holds
+    rt = make_runtime(rollback_depth=8, ring_budget_bytes=3 * head)
+    assert rt.stats().rollback_ring.budget == 3 * head
     for n in range(1, 9):
-        rt.prefill([5] * 20 if n == 1 else [6])  # every entry is at least `entry`
+        rt.prefill([5] * 20 if n == 1 else [6])
         ring = rt.stats().rollback_ring
-        assert ring.bytes_used == sum(c.nbytes for c in rt.ring) <= 3 * entry
+        assert ring.bytes_used == sum(c.nbytes for c in rt.ring) <= 3 * head
         assert rt.ring[-1].position == rt.position  # the newest is the live boundary
-    assert len(rt.ring) == 2  # two of 21+ tokens fit in three of 20, a third does not
+    assert len(rt.ring) == 3
     live = rt.state_digest()
     rt.prefill([7])
     rt.rollback(1)
     assert rt.state_digest() == live
+    rt.rollback(1)  # the third entry kept
     with pytest.raises(InvalidRequestError, match='ring_budget_bytes'):
         rt.rollback(1)  # the older boundaries were dropped for the budget
+
+
+def test_the_ring_budget_counts_a_restored_capsule_once(make_runtime):
+    rt = make_runtime(rollback_depth=8)
+    rt.prefill([5] * 40)
+    whole = rt.snapshot('home').nbytes
+    greedy(rt, 4)
+    for _ in range(3):
+        rt.restore('home')  # the ring holds the capsule itself, three times
+    ring = rt.stats().rollback_ring
+    assert ring.count == 5 and ring.bytes_used == 2 * rt.arena.head_nbytes + whole
+    budgeted = make_runtime(rollback_depth=8, ring_budget_bytes=whole + rt.arena.head_nbytes)
+    budgeted.prefill([5] * 40)
+    budgeted.snapshot('home')
+    for _ in range(3):
+        budgeted.restore('home')
+    assert len(budgeted.ring) == 4  # the prefill's head and 'home' thrice: reset's went
 
 
 def test_a_ring_budget_below_one_entry_keeps_the_live_boundary(make_runtime):

@@ -7,6 +7,7 @@ from pathlib import Path
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 from flashrt_ros.runtime import (
@@ -334,3 +335,87 @@ def test_greedy_decoding_refuses_nan_logits(make_runtime):
     handle.remove()
     assert gen.result.stop_reason == 'error' and gen.result.token_ids == []
     assert len(greedy(rt, 3, prompt=' again')) == 3
+
+
+def _hold_disk_write(monkeypatch, name):
+    """Make the file write of capsule `name` wait on a gate; return (writing, go_on) events."""
+    writing, go_on = threading.Event(), threading.Event()
+    write = disk.write
+
+    def held(directory, capsule, data):
+        if capsule == name:
+            writing.set()
+            assert go_on.wait(30.0)
+        return write(directory, capsule, data)
+
+    monkeypatch.setattr(disk, 'write', held)
+    return writing, go_on
+
+
+def _within(seconds, fn):
+    """Run fn on a thread; return its result, or fail when it has not returned in time."""
+    out = []
+    worker = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert out, f'{fn} waited for the disk write'
+    return out[0]
+
+
+def test_a_disk_write_holds_up_no_other_capsule_operation(make_runtime, monkeypatch):
+    rt = make_runtime(eviction='lru')
+    rt.prefill(PROMPT)
+    size = rt.snapshot('old', tier='disk').nbytes
+    rt.store.budgets['disk'] = 3 * size + size // 2  # 'old', 'other' and one more
+    rt.snapshot('other', tier='disk')
+    other = rt.state_digest()
+    rt.prefill(' and more')
+    big = rt.state_digest()
+    writing, go_on = _hold_disk_write(monkeypatch, 'big')
+    answers = []
+    saver = threading.Thread(target=lambda: answers.append(rt.snapshot('big', tier='disk')))
+    saver.start()
+    try:
+        assert writing.wait(10.0), 'the disk write never started'
+        _within(5.0, lambda: rt.restore('other'))  # a disk capsule: read while 'big' writes
+        assert rt.state_digest() == other
+        names = {i.name for i in _within(5.0, rt.list_capsules)}
+        assert names == {'old', 'other'}  # 'big' is not published yet
+        tier = rt.stats().tiers['disk']
+        assert (tier.count, tier.bytes_used) == (2, 2 * size + rt.store._writing['big'])
+        with pytest.raises(InvalidRequestError, match='being written'):
+            rt.snapshot('big', tier='device')  # the name is reserved
+        with pytest.raises(InvalidRequestError, match='being written'):
+            rt.delete_capsule('big')
+        # Another disk snapshot counts the reserved bytes: it has to evict 'old' for them.
+        _within(5.0, lambda: rt.snapshot('third', tier='disk'))
+        assert [i.name for i in rt.drain_evictions()] == ['old']
+        assert saver.is_alive(), 'the write was not held meanwhile'
+    finally:
+        go_on.set()
+        saver.join(30.0)
+    assert answers and answers[0].name == 'big'
+    assert {i.name for i in rt.list_capsules()} == {'other', 'third', 'big'}
+    assert rt.drain_evictions() == []  # three files fit
+    assert sum(1 for p in rt.config.capsule_path.iterdir() if p.name.startswith('.')) == 0
+    rt.restore('big')
+    assert rt.state_digest() == big
+
+
+def test_a_capsule_deleted_during_a_disk_write_is_not_evicted_again(make_runtime, monkeypatch):
+    rt = make_runtime(eviction='lru')
+    rt.prefill(PROMPT)
+    size = rt.snapshot('a', tier='disk').nbytes
+    rt.snapshot('b', tier='disk')
+    rt.store.budgets['disk'] = 2 * size + size // 2  # 'c' needs 'a' gone
+    writing, go_on = _hold_disk_write(monkeypatch, 'c')
+    saver = threading.Thread(target=lambda: rt.snapshot('c', tier='disk'))
+    saver.start()
+    try:
+        assert writing.wait(10.0)
+        _within(5.0, lambda: rt.delete_capsule('a'))
+    finally:
+        go_on.set()
+        saver.join(30.0)
+    assert rt.drain_evictions() == []  # the room was there when the file was published
+    assert {i.name for i in rt.list_capsules()} == {'b', 'c'}

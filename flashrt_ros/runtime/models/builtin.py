@@ -64,6 +64,12 @@ BUILTINS: dict[str, BuiltinSpec] = {
         'linear_num_key_heads': 4, 'linear_num_value_heads': 8, 'linear_key_head_dim': 64,
         'linear_value_head_dim': 64, 'linear_conv_kernel_dim': 4},
         'Qwen3-Next-style hybrid for benchmarks'),
+    # A small SSM with a large state (about 30 MB in float32): the disk-write load of the
+    # benchmarks' interrupt measurement, cheap to step.
+    'bench-big-state': BuiltinSpec('Mamba2Config', 'Mamba2ForCausalLM', {
+        'hidden_size': 128, 'num_hidden_layers': 15, 'num_heads': 4, 'head_dim': 64,
+        'expand': 2, 'state_size': 2048, 'n_groups': 1, 'conv_kernel': 4, 'chunk_size': 32},
+        'Mamba2 with a ~30 MB state'),
 }
 
 

@@ -27,6 +27,8 @@ Invariants kept by everyone that writes the arena, along the row block:
     live state provably shares with the capsule (see rows_shared): the interrupt path,
     back to a checkpoint taken moments ago, then copies the head (recurrent and conv
     state) and zeroes the few rows written since, whatever the length of the context.
+    The rollback ring's commit boundaries rely on the same: they hold the head alone
+    (pack(head_only=True)) and take their rows from the live arena (state/ring.py).
 A sequence tensor of another length than the row block (a rolling window of recent steps,
 whose old rows are rewritten, e.g. a sliding-window KV) lives in the head and is always
 copied whole.
@@ -44,6 +46,8 @@ import sys
 from typing import Iterable, Sequence
 
 import torch
+
+from ..errors import FlashRTError
 
 ALIGN = 256  # bytes; keeps every head view aligned for any dtype and for vectorized copies
 SLOT_ALIGN = 16  # bytes; each tensor's slot inside a row (vector loads, every dtype)
@@ -237,6 +241,8 @@ class StateArena:
         # deleted slots before it, which the interrupt path pays on every restore.
         self._links: collections.deque[int] = collections.deque()
         self._words = _words(self.storage)
+        # False: every restore copies the whole prefix (a reference that never skips rows).
+        self.skip_shared_rows = True
         layout = {'align': align, 'rows': self.rows, 'row_nbytes': self.row_nbytes,
                   'entries': [e.to_json() for e in self.manifest]}
         self.layout_fingerprint = hashlib.sha256(
@@ -322,21 +328,25 @@ class StateArena:
         rows = min(position, self.rows)
         return Packing(rows, self.prefix_nbytes(rows))
 
-    def pack(self, position: int, alloc=None) -> tuple[torch.Tensor, Packing]:
+    def pack(self, position: int, alloc=None,
+             head_only: bool = False) -> tuple[torch.Tensor, Packing]:
         """
         Copy the state at `position` into a flat uint8 blob on the arena's device: one copy.
 
         alloc(nbytes) returns the blob to fill (default: a new tensor); every byte is written.
+        head_only: copy the head alone, not the rows (a rollback boundary that leaves its rows
+        to the live arena); the packing returned is still the whole state's.
         """
         packing = self.packing(position)
+        nbytes = self.head_nbytes if head_only else packing.nbytes
         blob = (
-            alloc(packing.nbytes)
+            alloc(nbytes)
             if alloc is not None
-            else torch.empty(packing.nbytes, dtype=torch.uint8, device=self.device)
+            else torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         )
         dst = _words(blob)
         dst.copy_(self._words[:dst.numel()] if dst.dtype == self._words.dtype
-                  else self.storage[:packing.nbytes])
+                  else self.storage[:nbytes])
         return blob, packing
 
     def copy_pair(self, blob: torch.Tensor, packing: Packing,
@@ -376,7 +386,10 @@ class StateArena:
         """
         stale = min(max(live_rows, packing.rows), self.rows)
         if kinds is None:
-            skip = self.rows_shared(lineage[0]) >= packing.rows
+            skip = self.skip_shared_rows and self.rows_shared(lineage[0]) >= packing.rows
+            if blob.numel() < packing.nbytes and not skip:
+                raise FlashRTError('a head-only boundary whose sequence rows the live state '
+                                   'no longer holds cannot be restored')
             key = 'head' if skip else 'prefix'
             pair = None if views is None else views.get(key)
             if pair is None:
@@ -394,6 +407,8 @@ class StateArena:
                 self.storage[packing.nbytes:self.prefix_nbytes(stale)].zero_()
             self.begin_epoch(*lineage)
             return src.nbytes, blob
+        if blob.numel() < packing.nbytes:
+            raise FlashRTError('a head-only boundary restores in full mode only')
         if not self.seq_kinds <= kinds:
             lineage = (None, 0)  # some sequence rows stay the live state's, not the capsule's
         if blob.device != self.device:

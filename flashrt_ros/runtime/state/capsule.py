@@ -72,6 +72,10 @@ class CapsuleInfo(NamedTuple):
 class Capsule:
     """An immutable snapshot: blob bytes, how they map onto the arena, and the non-tensor state."""
 
+    # True for a rollback-ring entry a commit captured: its rows are the live arena's, and it
+    # leaves the ring when the lineage moves off them (ring.py). Never a stored capsule.
+    on_lineage = False
+
     def __init__(
         self,
         *,

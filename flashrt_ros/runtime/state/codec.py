@@ -88,8 +88,14 @@ class StateCodec:
         """Return the live non-tensor state as a capsule taken now would hold it."""
         return _meta_json(self._live_meta(), self.generator.get_state())
 
-    def capture(self, name: str, tier: str, pinned: bool = False) -> Capsule:
-        """Copy the live state into a new capsule (not yet stored)."""
+    def capture(self, name: str, tier: str, pinned: bool = False,
+                head_only: bool = False) -> Capsule:
+        """
+        Copy the live state into a new capsule (not yet stored).
+
+        head_only: a rollback boundary of the live lineage, which leaves the sequence rows
+        in the arena (ring.py); never stored.
+        """
         self.before_alloc()  # first: the allocation below may reuse that memory
         # The blob is in arena memory; for the host and disk tiers of a GPU runtime in host
         # memory (host_blob), where the copy then goes directly.
@@ -98,7 +104,7 @@ class StateCodec:
         else:
             alloc = functools.partial(host_blob, tier=tier, device=self.device)
         position = self.cursor.position
-        blob, packing = self.arena.pack(position, alloc)  # one copy
+        blob, packing = self.arena.pack(position, alloc, head_only)  # one copy
         rng = self.generator.get_state()
         # A custom adapter's meta goes through JSON now (_adapter_meta): it may export live
         # objects, which must not leak into the capsule, and what cannot be written should
@@ -122,6 +128,13 @@ class StateCodec:
         # capsule (an interrupt back to the last checkpoint) skips parsing it.
         cap.restore_cache['meta'] = dict(meta, rng=rng)
         return cap
+
+    def boundary(self, head_only: bool) -> Capsule:
+        """Capture the live state as a lineage entry of the rollback ring (ring.py)."""
+        entry = self.capture(BOUNDARY_NAME.format(self.cursor.position), 'device',
+                             head_only=head_only)
+        entry.on_lineage = True
+        return entry
 
     def check(self, cap: Capsule) -> dict:
         """Everything that could make a restore fail, checked before the first byte is written."""
@@ -197,7 +210,7 @@ class StateCodec:
         return blob
 
     def restore(self, cap: Capsule, meta: dict, kinds: set[str] | None,
-                boundary: bool) -> Capsule | None:
+                boundary: bool, head_only: bool = True) -> Capsule | None:
         """
         Apply a checked capsule; with `boundary`, return the ring entry of the state it lands on.
 
@@ -205,8 +218,9 @@ class StateCodec:
         ring can hold the capsule itself (no copy). After a full restore the device-side blob
         apply copied from is the state too: a host capsule's blob (immutable, on a CPU
         runtime) or the fresh device copy of a host/disk blob. A disk blob read on a CPU
-        runtime maps the file, so that one is copied in, as are a transfer of the head only
-        and the mixed state a kv_only restore leaves.
+        runtime maps the file, and a transfer of the head only and the mixed state a kv_only
+        restore leaves are not the state either: those land on a lineage entry (boundary),
+        the head alone with `head_only`.
         """
         blob = self.apply(cap, meta, kinds)
         if not boundary:
@@ -220,4 +234,4 @@ class StateCodec:
             entry.restore_cache['meta'] = meta
             entry.epoch = self.arena.epoch  # the live state as the restore left it
             return entry
-        return self.capture(name, 'device')
+        return self.boundary(head_only)

@@ -275,6 +275,9 @@ class DiskIndex:
         self.dir = directory
         self._entries: dict[str, Entry] = {}
         self.temp_bytes = 0  # temp files of writes in progress or left by killed ones
+        # Names whose write the owner accounts for itself (a reservation): their temp files
+        # are left out of temp_bytes.
+        self.writing: set[str] = set()
 
     def scan(self) -> dict[str, Entry]:
         """Return name -> Entry of every file with a capsule file name (foreign ones too)."""
@@ -289,7 +292,8 @@ class DiskIndex:
                 fname = item.name
                 try:
                     if fname.startswith('.'):
-                        if fname.endswith('.tmp') and item.is_file(follow_symlinks=False):
+                        if (fname.endswith('.tmp') and temp_owner(fname) not in self.writing
+                                and item.is_file(follow_symlinks=False)):
                             temp += item.stat(follow_symlinks=False).st_size
                         continue
                     if not fname.endswith(SUFFIX):
@@ -342,6 +346,12 @@ class DiskIndex:
         except OSError as exc:
             raise io_error(what, path, exc) from exc
         self._entries.pop(name, None)
+
+
+def temp_owner(fname: str) -> str | None:
+    """Return the capsule name a temp file of ours (.<name>.w-XXXXXXXX.tmp) is written for."""
+    name, mark, rand = fname[1:-len('.tmp')].rpartition(TEMP_MARK)
+    return name if mark and len(rand) == 8 else None
 
 
 def sweep_stale_temps(directory: Path) -> None:

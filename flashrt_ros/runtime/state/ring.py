@@ -4,10 +4,24 @@ The rollback ring: the last `rollback_depth` committed boundaries, newest last.
 A boundary is a device capsule OUTSIDE the user's device budget: the ring is the runtime's
 own undo history, with its own budget (ring_budget_bytes): a push drops the oldest entries
 until the ring fits, but never the newest, the live state's own boundary (what a failed
-step goes back to), so the ring holds at most max(budget, one entry). Every entry counts in
-full, also one that shares its blob with a stored capsule. A restored device capsule goes
-on the ring by reference (capsules are immutable), so deleting it frees its memory only once
-it has left the ring; so does the device-side blob a full host restore copied from.
+step goes back to), so the ring holds at most max(budget, one entry). The budget counts
+the bytes the entries hold, each blob once (repeated restores of one capsule push it
+again), also a blob a stored capsule shares.
+
+Two kinds of entry:
+  * a lineage entry (`on_lineage`, what a commit pushes) holds only the head of the state
+    at its boundary: the tensors without a sequence axis and the non-tensor state. Its
+    sequence rows are the live arena's first `position` rows, which are append-only within
+    a lineage (arena.py), so a commit copies the head whatever the context length, and a
+    rollback to it copies the head back and zeroes the rows written since. When the live
+    state stops holding those rows (a restore of another branch, a reset, a fork of the
+    lineage that rewrote them), the entry cannot be restored any more: prune() takes it
+    off the ring. The ring built with head_only=False keeps whole copies instead (a
+    reference that never relies on the live rows) and prunes them by the same rule;
+  * a restored capsule: a device capsule goes on the ring by reference (capsules are
+    immutable), so deleting it frees its memory only once it has left the ring; so does
+    the device-side blob a full host restore copied from. It is self-contained and never
+    pruned.
 
 An entry that leaves the ring is retired, not dropped: the last reference to a capsule
 costs its teardown (its views, a pooled blob's return), which a restore of a device capsule,
@@ -21,7 +35,7 @@ private state than the ring did.
 from __future__ import annotations
 
 import collections
-from typing import Iterable
+from typing import Callable, Iterable
 
 from .capsule import Capsule
 
@@ -29,13 +43,21 @@ from .capsule import Capsule
 class RollbackRing(collections.deque):
     """Committed boundaries, oldest first (a deque of capsules), and the retired ones."""
 
-    def __init__(self, depth: int, budget: int = 0):
+    def __init__(self, depth: int, budget: int = 0, head_only: bool = True):
         super().__init__(maxlen=max(depth, 1))
         self.depth = depth  # 0: no rollback; the ring then stays empty
         self.budget = budget  # bytes; 0 = unlimited
+        self.head_only = head_only  # whether commits keep the head alone (module docstring)
         # A deque with maxlen: appending, dropping the oldest and clearing are each atomic,
         # so threads outside the step lock (delete_capsule, fork) may clear it.
         self.retired: collections.deque[Capsule] = collections.deque(maxlen=self.maxlen)
+        self.last_commit_bytes = 0  # bytes the last commit copied into its entry
+        self.lineage_drops = 0  # lineage entries pruned because the live rows moved on
+
+    def commit(self, entry: Capsule) -> None:
+        """Push the boundary a commit captured (a lineage entry; its blob is all it copied)."""
+        self.last_commit_bytes = entry.nbytes
+        self.push(entry)
 
     def push(self, entry: Capsule) -> None:
         """Push a boundary; the oldest one retires when the ring is full."""
@@ -43,10 +65,29 @@ class RollbackRing(collections.deque):
             self.retired.append(self[0])  # full: drops (frees) the oldest retired one
         self.append(entry)
         if self.budget:
-            used = self.nbytes()
-            while used > self.budget and len(self) > 1:
-                used -= self[0].nbytes
+            while len(self) > 1 and self.nbytes() > self.budget:
                 self.retired.append(self.popleft())
+
+    def prune(self, rows_shared: Callable[[int | None], int]) -> None:
+        """
+        Retire the lineage entries whose rows the live state no longer holds (lock held).
+
+        rows_shared(epoch): the leading rows the live state shares with that epoch
+        (StateArena.rows_shared). Every other entry stays, in order.
+        """
+        shared: dict[int | None, int] = {}
+        stale = []
+        for entry in self:
+            if entry.on_lineage:
+                rows = shared.get(entry.epoch)
+                if rows is None:
+                    rows = shared[entry.epoch] = rows_shared(entry.epoch)
+                if rows < entry.position:
+                    stale.append(entry)
+        for entry in stale:
+            self.remove(entry)
+            self.retired.append(entry)
+        self.lineage_drops += len(stale)
 
     def retire_newest(self, n: int) -> None:
         """Take the n newest boundaries off the ring (a rollback past them)."""
@@ -59,7 +100,8 @@ class RollbackRing(collections.deque):
         self.retired.clear()
 
     def nbytes(self) -> int:
-        return sum(c.nbytes for c in self)
+        """Bytes the entries hold, each blob once."""
+        return sum({c.blob.data_ptr(): c.nbytes for c in self}.values())
 
     def retired_nbytes(self, stored: Iterable[Capsule]) -> int:
         """Bytes only the retired entries keep (not the ring, nor `stored`): the next capture's."""

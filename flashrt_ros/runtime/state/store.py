@@ -15,6 +15,14 @@ model is never replaced or evicted. The directory is listed through an index tha
 file's header once (disk.DiskIndex), and the disk tier's LRU clock is kept in memory, so a
 read-only capsule directory serves restores.
 
+Disk writes: a disk snapshot encodes and writes its file outside the store's lock, so
+restores, lists and memory snapshots (an interrupt's restore of a disk capsule too) never
+wait for one. Under the lock it first reserves the name (another snapshot or a delete of
+that name is refused until the write ends) and its bytes (counted against the budget by
+everyone until the file is published), then publishes the file under the lock: it replaces
+a same-named memory capsule and the budget's victims go, chosen again from what the
+directory holds then.
+
 Checksums: a device or host capsule is not hashed when it is taken (hashing is much
 slower than the copy and needs a device->host copy on a GPU). Its checksum is computed
 lazily (verify(), a disk write, a fork to disk) and cached; a file read from disk is always
@@ -35,7 +43,8 @@ import torch
 
 from . import disk
 from .capsule import Capsule, CapsuleInfo, not_found, validate_name
-from ..errors import BudgetExceededError, CorruptCapsuleError, FingerprintMismatchError
+from ..errors import BudgetExceededError, CapsuleNotFoundError, CorruptCapsuleError
+from ..errors import FingerprintMismatchError, InvalidRequestError
 
 
 class CapsuleStore:
@@ -56,6 +65,7 @@ class CapsuleStore:
         self._evicted: collections.deque[CapsuleInfo] = collections.deque(maxlen=256)
         self.index = disk.DiskIndex(capsule_dir)
         self._disk_used: dict[str, float] = {}  # the disk tier's LRU clock (unix s) of our uses
+        self._writing: dict[str, int] = {}  # disk writes in progress: name -> reserved bytes
         disk.sweep_stale_temps(self.dir)
 
     # ---- accounting ------------------------------------------------------------------
@@ -72,7 +82,7 @@ class CapsuleStore:
                 count, nbytes = out[c.tier]
                 out[c.tier] = (count + 1, nbytes + c.nbytes)
             files = self._ours_on_disk()
-            temp = self.index.temp_bytes
+            temp = self.index.temp_bytes + sum(self._writing.values())
             out['disk'] = (len(files), sum(e.size for e in files.values()) + temp)
             return out, temp
 
@@ -83,11 +93,14 @@ class CapsuleStore:
             return []
         if tier == 'disk':
             files = self._ours_on_disk()
-            extra = self.index.temp_bytes
-            # Evictable: a readable unpinned capsule of this model, oldest use first.
+            extra = self.index.temp_bytes + sum(
+                n for name, n in self._writing.items() if name != replacing)
+            # Evictable: a readable unpinned capsule of this model, oldest use first (not
+            # one a write in progress replaces).
             entries = [
                 (n, e.size, max(e.mtime, self._disk_used.get(n, 0.0)),
-                 e.kind != 'capsule' or e.head.pinned or e.fingerprint != self.fingerprint)
+                 e.kind != 'capsule' or e.head.pinned or e.fingerprint != self.fingerprint
+                 or n in self._writing)
                 for n, e in files.items()
             ]
         else:
@@ -144,12 +157,19 @@ class CapsuleStore:
                 'another name')
         return entry
 
+    def _check_not_writing(self, name: str) -> None:
+        if name in self._writing:
+            raise InvalidRequestError(
+                f'capsule {name!r} is being written to disk now; try again when that '
+                'snapshot has returned, or pick another name')
+
     def put(self, capsule: Capsule) -> Capsule:
         """Store a memory capsule or write a disk one, replacing any of the same name."""
+        if capsule.tier == 'disk':
+            return self._write_disk(capsule)
         with self._lock:
+            self._check_not_writing(capsule.name)
             replaced = self._check_replace(capsule.name)
-            if capsule.tier == 'disk':
-                return self._write_disk(capsule)
             victims = self._make_room(capsule.tier, capsule.nbytes, capsule.name)
             if replaced is not None:  # may fail (read-only): nothing changed yet
                 self.index.remove(capsule.name, f'replacing disk capsule {capsule.name!r}')
@@ -191,16 +211,26 @@ class CapsuleStore:
                 if not header_only:
                     cap.last_used = time.monotonic()
                 return cap
-            path = disk.path_of(self.dir, name)
+        # Read outside the lock (a write replaces a file by a rename, so this reads the old
+        # file or the new one whole): a long read holds up no other capsule operation.
+        path = disk.path_of(self.dir, name)
+        try:
             cap = disk.read(name, path, header_only=header_only, key=self.key)
-            if not header_only:
+        except CapsuleNotFoundError:
+            cap = self._mem.get(name)  # a memory snapshot replaced the file meanwhile
+            if cap is None:
+                raise
+            return cap
+        if not header_only:
+            with self._lock:
                 self._disk_used[name] = time.time()
                 self.index.touch(name, path)  # mtime: the clock other processes see
-            return cap
+        return cap
 
     def delete(self, name: str) -> CapsuleInfo:
         validate_name(name)
         with self._lock:
+            self._check_not_writing(name)
             cap = self._mem.pop(name, None)
             if cap is not None:
                 return cap.info()
@@ -281,18 +311,45 @@ class CapsuleStore:
     # ---- disk ------------------------------------------------------------------------
 
     def _write_disk(self, capsule: Capsule) -> Capsule:
+        """Write a disk capsule: reserve, write outside the lock, publish (module docstring)."""
+        name = capsule.name
         data = disk.encode(capsule, self.key)
         disk.sweep_stale_temps(self.dir)  # what a killed write left counts against the budget
-        victims = self._make_room('disk', len(data), capsule.name)  # may refuse: nothing changed
-        path = disk.write(self.dir, capsule.name, data)
-        # Written: only now does it replace a same-named memory capsule (the old file went in
-        # the rename) and do the budget's victims go.
-        self._mem.pop(capsule.name, None)
-        self._disk_used[capsule.name] = time.time()
-        for victim in victims:
-            self._evict(victim, 'disk')
+        with self._lock:
+            self._check_not_writing(name)
+            self._check_replace(name)
+            self._make_room('disk', len(data), name)  # may refuse: nothing changed
+            self._writing[name] = len(data)
+            self.index.writing.add(name)
+        try:
+            path = disk.write(self.dir, name, data)
+        except BaseException:
+            with self._lock:
+                self._release(name)
+            raise
+        with self._lock:
+            self._release(name)
+            self._publish(name, len(data))  # only now does it replace a memory capsule
         disk.sync_dir(self.dir)
         return capsule.with_blob(
-            capsule.name, 'disk', None, meta_json=capsule.meta_json, created=capsule.created,
+            name, 'disk', None, meta_json=capsule.meta_json, created=capsule.created,
             pinned=capsule.pinned, checksum=capsule.checksum, nbytes=len(data), path=path,
             epoch=None)
+
+    def _release(self, name: str) -> None:
+        """End the reservation of a disk write (lock held)."""
+        del self._writing[name]
+        self.index.writing.discard(name)
+
+    def _publish(self, name: str, nbytes: int) -> None:
+        """Make a written file capsule `name` and evict what the budget needs (lock held)."""
+        self._mem.pop(name, None)
+        self._disk_used[name] = time.time()
+        try:
+            victims = self._make_room('disk', nbytes, name)
+        except BudgetExceededError:
+            # The directory changed during the write (another process, pinned capsules): the
+            # file stays, as written; the next disk snapshot makes room or refuses.
+            victims = []
+        for victim in victims:
+            self._evict(victim, 'disk')
