@@ -75,13 +75,15 @@ class Exports:
 
     def open(self, cap: Capsule) -> Manifest:
         """Encode `cap` (a capsule with its blob) and return the manifest of its export."""
-        data = disk.encode(cap, self.key)  # seals an unsealed capsule
         with self._lock:
             self._expire()
-            if len(self._open) >= MAX_EXPORTS:
-                raise InvalidRequestError(
-                    f'{MAX_EXPORTS} exports are open on this node; wait for one to finish '
-                    f'(an idle one is dropped after {EXPORT_IDLE_S:.0f} s) and try again')
+            full = len(self._open) >= MAX_EXPORTS
+        if full:  # checked before the encoding, which is most of an export's cost
+            raise InvalidRequestError(
+                f'{MAX_EXPORTS} exports are open on this node; wait for one to finish '
+                f'(an idle one is dropped after {EXPORT_IDLE_S:.0f} s) and try again')
+        data = disk.encode(cap, self.key)  # seals an unsealed capsule
+        with self._lock:
             manifest = Manifest(secrets.token_hex(8), cap.name, len(data), cap.checksum,
                                 json.dumps(disk.header(cap), sort_keys=True))
             self._open[manifest.export_id] = [manifest, memoryview(data), self._clock()]
