@@ -360,7 +360,8 @@ class FlashRTClient:
         return ImportRun(self, self._wait(future, timeout, 'import goal'), feedback)
 
     def import_capsule(self, source_node, source_name, name='', tier='', timeout=60.0):
-        """Copy capsule `source_name` of node `source_node` into this client's node.
+        """
+        Copy capsule `source_name` of node `source_node` into this client's node.
 
         Returns the ImportCapsule.Result (success, message, capsule with its origin,
         transferred_bytes, duration_s, throughput_mib_s).

@@ -125,7 +125,7 @@ PARAMETERS = (
           'boundary.', floating=(0.01, 600.0)),
     Param('transfer_chunk_bytes', DEFAULT_CHUNK_BYTES,
           'Bytes per ~/export_chunk call when this node imports a capsule (docs/transfer.md '
-          'says why 1 MiB).', integer=(4096, MAX_CHUNK_BYTES)),
+          'says why 256 KiB, and when 1 MiB is better).', integer=(4096, MAX_CHUNK_BYTES)),
     Param('transfer_timeout', 10.0,
           'Seconds an import waits for each answer of the source node before it gives up '
           '(nothing is stored then).', floating=(0.1, 600.0)),

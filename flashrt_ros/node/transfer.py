@@ -1,7 +1,9 @@
 """
-Capsules between nodes: ~/export_manifest and ~/export_chunk serve this node's capsules,
-the ~/import_capsule action pulls one from another node (the protocol, which needs no ROS,
-is runtime/state/transfer.py).
+Capsules between nodes: the export services and the import action.
+
+~/export_manifest and ~/export_chunk serve this node's capsules, the ~/import_capsule
+action pulls one from another node (the protocol, which needs no ROS, is
+runtime/state/transfer.py).
 
 Concurrency: everything here runs in a reentrant callback group of its own, never in the
 node's `ordered` or `state` groups, so a transfer never delays ~/interrupt, ~/reset or a

@@ -507,7 +507,7 @@ class Runtime:
         """Open an export of capsule `name`; export_chunk() serves its bytes by offset."""
         validate_name(name)
         self._check_open()
-        return self.exports.open(self.store.get(name))
+        return self.exports.add(self.store.get(name))
 
     def begin_import(self, manifest: Manifest, name: str, tier: str) -> Staging:
         """Check that the announced capsule fits here (model, layout, name, budget); stage it."""

@@ -236,7 +236,7 @@ def test_sender_killed_mid_transfer_leaves_receiver_unchanged(nodes, tmp_path_fa
         assert status == GoalStatus.STATUS_ABORTED and not result.success
         assert 'did not answer' in result.message and 'nothing was stored' in result.message
     finally:
-        set_parameter(right, 'transfer_chunk_bytes', 1 << 20)
+        set_parameter(right, 'transfer_chunk_bytes', 256 << 10)
         if victim is not None:
             victim.close()
         proc.stop()
@@ -261,7 +261,7 @@ def test_cancel_leaves_nothing(nodes, context):
         assert 'nothing was stored' in result.message
         assert _listing(right) == before
     finally:
-        set_parameter(right, 'transfer_chunk_bytes', 1 << 20)
+        set_parameter(right, 'transfer_chunk_bytes', 256 << 10)
 
 
 def test_receiver_budgets_are_honoured(nodes, context):

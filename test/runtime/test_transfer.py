@@ -171,6 +171,6 @@ def test_exports_expire_when_idle_and_are_bounded():
     for i in range(transfer.MAX_EXPORTS):
         exports._open[str(i)] = [None, memoryview(b''), now[0]]
     with pytest.raises(InvalidRequestError, match='exports are open'):
-        exports.open(object())  # refused before it is encoded
+        exports.add(object())  # refused before it is encoded
     exports.close('0')
     assert len(exports) == transfer.MAX_EXPORTS - 1

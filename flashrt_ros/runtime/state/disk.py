@@ -145,7 +145,8 @@ def _open(name: str, path) -> int:
 
 
 def _safetensors_head(pread, size: int) -> tuple[dict, int] | None:
-    """Return (the safetensors header JSON, its length) of a file of ours, None if foreign.
+    """
+    Return (the safetensors header JSON, its length) of a file of ours, None if foreign.
 
     pread(n, offset) reads the file's bytes (os.pread of a descriptor, or a slice of memory).
     """

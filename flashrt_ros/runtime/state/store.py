@@ -160,7 +160,7 @@ class CapsuleStore:
             return capsule
 
     def check_room(self, tier: str, nbytes: int, name: str) -> None:
-        """Raise now if a capsule of nbytes could not be put in tier as `name` (nothing evicted)."""
+        """Raise now if nbytes could not be put in tier as capsule `name` (nothing evicted)."""
         with self._lock:
             self._check_replace(name)
             self._make_room(tier, nbytes, name)

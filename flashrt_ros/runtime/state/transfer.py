@@ -30,9 +30,9 @@ from .capsule import Capsule, Origin
 from ..errors import CapsuleNotFoundError, CorruptCapsuleError, FingerprintMismatchError
 from ..errors import InvalidRequestError
 
-# A service response of this size crosses DDS as a few dozen RTPS fragments (64 KiB each
-# over UDP); docs/transfer.md has the measurements behind the choice.
-DEFAULT_CHUNK_BYTES = 1 << 20
+# Fits Fast DDS's default shared-memory segment (512 KiB) between processes on one host;
+# with config/fastdds_large_data.xml 1 MiB is faster. docs/transfer.md has the numbers.
+DEFAULT_CHUNK_BYTES = 256 << 10
 MAX_CHUNK_BYTES = 16 << 20
 EXPORT_IDLE_S = 60.0  # an export nobody read from for this long is dropped
 MAX_EXPORTS = 8  # open exports per runtime (each holds one encoded capsule in memory)
@@ -73,7 +73,7 @@ class Exports:
         self._open: dict[str, list] = {}  # export_id -> [manifest, data, last_used]
         self._lock = threading.Lock()
 
-    def open(self, cap: Capsule) -> Manifest:
+    def add(self, cap: Capsule) -> Manifest:
         """Encode `cap` (a capsule with its blob) and return the manifest of its export."""
         with self._lock:
             self._expire()
