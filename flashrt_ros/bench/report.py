@@ -105,10 +105,11 @@ def _fig6(f):
 
 
 def _fig7(f):
-    header = ['capsule', 'ROS import ms', 'ROS MiB/s', 'file copy ms', 'file copy MiB/s',
-              'ROS / copy']
+    header = ['capsule', 'ROS import ms (client)', 'ROS MiB/s (client / receiver)',
+              'file copy ms', 'file copy MiB/s', 'ROS / copy']
     rows = [[f'{r["mib"]:.1f} MiB (position {r["position"]})', _ms(r['ros_ms'], 1),
-             _ms(r['ros_mib_s'], 0), _ms(r['copy_ms'], 2), _ms(r['copy_mib_s'], 0),
+             f'{_ms(r["ros_mib_s"], 0)} / {_num(r["node_mib_s"]["median"], ".0f")}',
+             _ms(r['copy_ms'], 2), _ms(r['copy_mib_s'], 0),
              _num(r['ros_vs_copy'], '.2f', 'x')] for r in f['rows']]
     h = f.get('handover')
     if h:

@@ -4,7 +4,9 @@ Figure 7: capsules between two node processes over loopback DDS (~/import_capsul
 Part A: capsules of about 1, 8 and 32 MiB (state of the benchmark model at growing
 positions) imported from a sender node into a receiver node's host tier, timed by the
 client from goal to result, side by side with copying the same capsule's file on disk
-(shutil.copyfile, page cache to page cache: the fastest local copy). Part B: the time from
+(shutil.copyfile, page cache to page cache: the fastest local copy); the receiver's own
+duration (manifest request to capsule stored, without the action's goal and result
+round-trips) is reported beside it. Part B: the time from
 "import requested" to "restored on the receiver" at the long context, against a cold
 prefill of the same tokens on the receiver. Part C: the 32 MiB import at other chunk sizes
 (the transfer_chunk_bytes parameter).
@@ -148,7 +150,7 @@ def _fig7(plan, device, log):
 
 def _size_row(right, sender_dir, receiver_dir, pos, repeats):
     """Import capsule ctx<pos> `repeats` times, and copy its file as often, interleaved."""
-    ros_s, copy_s, moved = [], [], 0
+    ros_s, node_s, copy_s, moved = [], [], [], 0
     src = os.path.join(sender_dir, f'file{pos}.safetensors')
     os.makedirs(receiver_dir, exist_ok=True)
     dst = os.path.join(receiver_dir, 'copied.part')
@@ -157,6 +159,7 @@ def _size_row(right, sender_dir, receiver_dir, pos, repeats):
         result = _ok(right.import_capsule(SENDER, f'ctx{pos}', name='got', tier='host',
                                           timeout=600.0))
         ros_s.append(time.perf_counter() - t0)
+        node_s.append(result.duration_s)  # the receiver's own: manifest to stored
         moved = result.transferred_bytes
         _ok(right.delete_capsule('got'))
         t0 = time.perf_counter()
@@ -168,6 +171,8 @@ def _size_row(right, sender_dir, receiver_dir, pos, repeats):
     copy = summarize([file_bytes / s / (1 << 20) for s in copy_s])
     return {'position': pos, 'transferred_bytes': moved, 'file_bytes': file_bytes,
             'mib': moved / (1 << 20), 'ros_ms': summarize(ros_s, scale=1e3),
+            'node_ms': summarize(node_s, scale=1e3),
+            'node_mib_s': summarize([moved / s / (1 << 20) for s in node_s]),
             'copy_ms': summarize(copy_s, scale=1e3), 'ros_mib_s': ros, 'copy_mib_s': copy,
             'ros_vs_copy': ratio(ros['median'], copy['median'])}
 
