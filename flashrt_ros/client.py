@@ -13,6 +13,8 @@ callback sees its messages one at a time, in the order they arrived.
     outcome = client.generate('Hello', max_new_tokens=16,
                               feedback_callback=lambda chunk: print(chunk.text, end=''))
     client.restore('home')
+    # copy a capsule of another node into this one (then restore it here)
+    client.import_capsule('/left_arm/flashrt', 'task-context')
     client.close()
 
 Policy mode: `subscribe_actions(cb)`, then `publish_joint_state(names, position, velocity)`
@@ -26,7 +28,7 @@ import queue
 import threading
 import time
 
-from flashrt_ros.action import Generate
+from flashrt_ros.action import Generate, ImportCapsule
 from flashrt_ros.msg import ActionChunk, AudioChunk, CapsuleEvent, Interrupt, TokenChunk
 from flashrt_ros.qos import AUDIO_QOS, COMMAND_QOS, INTERRUPT_QOS  # noqa: F401 (re-exported)
 from flashrt_ros.qos import STREAM_QOS
@@ -117,6 +119,35 @@ class GoalRun:
                           text=rest, final=True, stop_reason=result.stop_reason)
 
 
+class ImportRun:
+    """A ~/import_capsule goal in flight: wait for its result or cancel it."""
+
+    def __init__(self, client, goal_handle, feedback):
+        self._client, self._goal_handle = client, goal_handle
+        self.feedback = feedback  # ImportCapsule.Feedback messages received so far
+        self._result_future = goal_handle.get_result_async() if goal_handle.accepted else None
+
+    @property
+    def accepted(self):
+        """Return True when the node accepted the goal (one import runs at a time)."""
+        return self._goal_handle.accepted
+
+    def cancel(self, timeout=None):
+        """Stop the transfer before its next chunk; nothing is stored."""
+        timeout = self._client.timeout if timeout is None else timeout
+        return self._client._wait(self._goal_handle.cancel_goal_async(), timeout, 'cancel')
+
+    def result(self, timeout=None):
+        """Wait for the import to end; return (GoalStatus value, ImportCapsule.Result)."""
+        if not self.accepted:
+            return 0, ImportCapsule.Result(
+                success=False, message='import rejected by the node (another import is '
+                'running, or the node is not active)')
+        timeout = self._client.timeout if timeout is None else timeout
+        wrapped = self._client._wait(self._result_future, timeout, 'import result')
+        return wrapped.status, wrapped.result
+
+
 class FlashRTClient:
     """Client for one flashrt node (services, generate action, control topics)."""
 
@@ -162,6 +193,8 @@ class FlashRTClient:
         self._change_state = service(ChangeState, 'change_state')
         self._generate = ActionClient(n, Generate, f'{self.base}/generate',
                                       callback_group=MutuallyExclusiveCallbackGroup())
+        self._import = ActionClient(n, ImportCapsule, f'{self.base}/import_capsule',
+                                    callback_group=MutuallyExclusiveCallbackGroup())
         self._prompt_pub = n.create_publisher(String, f'{self.base}/prompt', COMMAND_QOS)
         self._interrupt_pub = n.create_publisher(Interrupt, f'{self.base}/interrupt',
                                                  INTERRUPT_QOS)
@@ -299,6 +332,43 @@ class FlashRTClient:
         if not response.success:
             raise RuntimeError(response.message)
         return response.message
+
+    # ---- transfer between nodes ----------------------------------------------------------
+
+    def start_import(self, source_node, source_name, name='', tier='', feedback_callback=None,
+                     timeout=None):
+        """
+        Have this client's node import capsule `source_name` from node `source_node`.
+
+        source_node is fully qualified (e.g. '/left_arm/flashrt'). Returns an ImportRun;
+        feedback_callback(ImportCapsule.Feedback) runs on the client's executor per chunk.
+        """
+        timeout = self.timeout if timeout is None else timeout
+        if not self._import.wait_for_server(timeout_sec=timeout):
+            raise TimeoutError(f'action {self.base}/import_capsule is not available after '
+                               f'{timeout:.1f} s; is the node running?')
+        feedback = []
+
+        def on_feedback(message):
+            feedback.append(message.feedback)
+            if feedback_callback is not None:
+                feedback_callback(message.feedback)
+
+        goal = ImportCapsule.Goal(source_node=source_node, source_name=source_name, name=name,
+                                  tier=tier)
+        future = self._import.send_goal_async(goal, feedback_callback=on_feedback)
+        return ImportRun(self, self._wait(future, timeout, 'import goal'), feedback)
+
+    def import_capsule(self, source_node, source_name, name='', tier='', timeout=60.0):
+        """
+        Copy capsule `source_name` of node `source_node` into this client's node.
+
+        Returns the ImportCapsule.Result (success, message, capsule with its origin,
+        transferred_bytes, duration_s, throughput_mib_s).
+        """
+        run = self.start_import(source_node, source_name, name, tier,
+                                timeout=min(timeout, self.timeout))
+        return run.result(timeout)[1]
 
     # ---- generation --------------------------------------------------------------------
 

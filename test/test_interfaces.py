@@ -8,7 +8,8 @@ import pytest
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec('rclpy') is None, reason='needs rclpy (run through `make test`)')
 
-SERVICE_TYPES = ['Snapshot', 'Restore', 'Fork', 'Rollback', 'ListCapsules', 'DeleteCapsule']
+SERVICE_TYPES = ['Snapshot', 'Restore', 'Fork', 'Rollback', 'ListCapsules', 'DeleteCapsule',
+                 'ExportManifest', 'ExportChunk']
 
 
 def _spin_until(executor, done, timeout=10.0):

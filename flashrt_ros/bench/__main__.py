@@ -31,8 +31,8 @@ from .figures import (
 from .measure import BENCH_MODEL
 from .report import to_markdown, to_text
 
-FIGURES = ('fig1', 'fig2', 'fig3', 'fig4', 'fig5', 'fig5disk', 'fig6')
-ROS_FIGURES = {'fig5', 'fig5disk'}  # node processes only: no runtime in this process
+FIGURES = ('fig1', 'fig2', 'fig3', 'fig4', 'fig5', 'fig5disk', 'fig6', 'fig8')
+ROS_FIGURES = {'fig5', 'fig5disk', 'fig8'}  # node processes only: no runtime in this process
 FULL_LENGTHS = [512, 1024, 2048, 4096, 8192, 16384]
 QUICK_LENGTHS = [256, 512]
 
@@ -86,7 +86,8 @@ def make_plan(args, workdir):
         decode_steps=16 if quick else 32, decode_rounds=max(4, 4 * repeats),
         correctness_steps=64,
         round_trips=50 if quick else 500, interrupts=20 if quick else 200,
-        node_model=args.node_model, workdir=workdir)
+        node_model=args.node_model, workdir=workdir, transfer_model=args.model,
+        transfer_context=max(lengths) if args.lengths or quick else 8192)
     if args.smoke:
         plan = dataclasses.replace(plan, decode_steps=4, decode_rounds=2, correctness_steps=12,
                                    round_trips=5, interrupts=3)
@@ -118,6 +119,10 @@ def run_figure(key, rt, args, plan, log):
             from .disk_interrupts import fig5_disk_interrupts
 
             result = fig5_disk_interrupts(plan, args.device, log)
+        elif key == 'fig8':
+            from .transfer import fig8_transfer  # node processes over DDS, as fig5
+
+            result = fig8_transfer(plan, args.device, log)
         else:
             fn = {'fig1': fig1_snapshot_restore, 'fig2': fig2_ttft, 'fig3': fig3_correctness,
                   'fig4': fig4_decode, 'fig6': fig6_kv_only_prefix}[key]

@@ -48,6 +48,8 @@ class Plan:
     interrupts: int    # figure 5: interrupts while generating
     node_model: str    # figure 5: the model the node process runs
     workdir: str       # scratch directory (capsule files, raw-copy files)
+    transfer_model: str = 'builtin:bench-hybrid'  # figure 7: the model of both node processes
+    transfer_context: int = 8192  # figure 7: tokens of the hand-over vs cold prefill
 
 
 def _mb_per_s(nbytes, seconds):

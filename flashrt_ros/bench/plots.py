@@ -240,8 +240,33 @@ def fig6(f, path, subtitle):
     return _save(fig, path, subtitle)
 
 
+def fig8(f, path, subtitle):
+    """Throughput: ROS import (client, receiver) vs file copy; hand-over vs cold prefill."""
+    rows = f['rows']
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
+    x = [r['mib'] for r in rows]
+    for key, label, color, style in (
+            ('ros_mib_s', 'ROS import (client: goal -> result)', OURS, '-'),
+            ('node_mib_s', 'ROS import (receiver: manifest -> stored)', OURS, ':'),
+            ('copy_mib_s', 'file copy on disk (page cache)', BASELINE, '--')):
+        med, err = _err([r[key] for r in rows])
+        ax.errorbar(x, med, yerr=err, marker='o', capsize=3, color=color, ls=style,
+                    label=label)
+    ax.set(xscale='log', yscale='log', xlabel='capsule MiB', ylabel='MiB/s',
+           title='transfer throughput over loopback DDS')
+    _plain(ax)
+    ax.legend(fontsize=8)
+    h = f['handover']
+    bars = [h['request_to_restored_ms']['median'], h['cold_prefill_ms']['median']]
+    bx.bar(['import + restore', 'cold prefill'], bars, color=[OURS, BASELINE])
+    bx.set(yscale='log', ylabel='ms', title=f'{h["tokens"]} tokens on the receiver: '
+           f'{h["speedup"]:.0f}x')
+    _plain(bx, x=False)
+    return _save(fig, path, subtitle)
+
+
 PLOTS = {'fig1': fig1, 'fig2': fig2, 'fig3': fig3, 'fig4': fig4, 'fig5': fig5,
-         'fig5disk': fig5disk, 'fig6': fig6}
+         'fig5disk': fig5disk, 'fig6': fig6, 'fig8': fig8}
 
 
 def plot_all(results, directory, name):

@@ -30,6 +30,10 @@ def info_msg(info, msg=None):
     msg.position, msg.created = int(info.position), stamp(info.created)
     msg.checksum, msg.fingerprint = info.checksum, info.fingerprint
     msg.components, msg.pinned = list(info.components), bool(info.pinned)
+    origin = info.origin
+    if origin is not None:
+        msg.origin_node, msg.origin_name = origin.node, origin.name
+        msg.imported = stamp(origin.imported)
     return msg
 
 

@@ -7,7 +7,8 @@ replaces the state or starts a turn (~/interrupt, ~/reset, ~/restore, ~/rollback
 ~/prompt), applied one at a time in arrival order; `state` takes the rest that writes
 (~/snapshot, ~/fork, ~/delete_capsule, observations, the control timer), so an e-stop never
 waits behind a snapshot's disk write or a listing. Cheap queries (list, digest, diagnostics)
-use a reentrant group. docs/architecture.md has more.
+use a reentrant group, and capsule transfers one of their own (transfer.py).
+docs/architecture.md has more.
 """
 
 import collections
@@ -42,6 +43,7 @@ from trajectory_msgs.msg import JointTrajectory
 from . import messages, parameters
 from .events import EventPublisher
 from .outputs import RosOutputs
+from .transfer import CapsuleTransfer
 
 NODE_NAME = 'flashrt'
 # No QoS event handlers on the node's entities (rclpy's own /parameter_events publisher
@@ -139,6 +141,8 @@ class FlashRTNode(LifecycleNode):
                                      event_callbacks=events)
         self.create_timer(self._param('diagnostics_period'), self._diagnostics_callback,
                           callback_group=query)
+        # ~/export_manifest, ~/export_chunk, ~/import_capsule: a reentrant group of their own
+        self._transfer = CapsuleTransfer(self)
 
     def create_publisher(self, *args, event_callbacks=None, **kwargs):
         """Create a publisher with no QoS event handlers unless given (see NO_PUB_EVENTS)."""

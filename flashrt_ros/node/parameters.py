@@ -4,6 +4,7 @@ import dataclasses
 
 from flashrt_ros.runtime import RuntimeConfig
 from flashrt_ros.runtime.config import DTYPES, EVICTION_POLICIES
+from flashrt_ros.runtime.state.transfer import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
 from flashrt_ros.session import MODES, POLICY_MODES
 from flashrt_ros.session.policy import STEPPINGS
 from flashrt_ros.session.turns import GOAL_POLICIES
@@ -124,6 +125,12 @@ PARAMETERS = (
     Param('interrupt_timeout', 5.0,
           'Seconds ~/interrupt, ~/reset and deactivate wait for the generation to reach a step '
           'boundary.', floating=(0.01, 600.0)),
+    Param('transfer_chunk_bytes', DEFAULT_CHUNK_BYTES,
+          'Bytes per ~/export_chunk call when this node imports a capsule (docs/transfer.md '
+          'says why 256 KiB, and when 1 MiB is better).', integer=(4096, MAX_CHUNK_BYTES)),
+    Param('transfer_timeout', 10.0,
+          'Seconds an import waits for each answer of the source node before it gives up '
+          '(nothing is stored then).', floating=(0.1, 600.0)),
     Param('stepping', 'observation',
           'Policy mode. observation: one control step per observation message, whole chunk '
           'published; timer: control_rate timer steps on the newest observation and publishes '

@@ -44,11 +44,13 @@ from .policy_mode import ActionChunk, control_step
 from .preemption import preempt_with, Preemption
 from .speech_mode import check_audio, feed_samples, read_delayed, TranscriptEvent, warm_speech
 from .state.arena import dtype_from_name, StateArena
-from .state.capsule import BOUNDARY_NAME, Capsule, CapsuleInfo, validate_name, validate_tier
+from .state.capsule import BOUNDARY_NAME, Capsule, CapsuleInfo, Origin, validate_name
+from .state.capsule import validate_tier
 from .state.codec import Cursor, StateCodec
 from .state.memory import BlobPool, move_blob
 from .state.ring import RollbackRing
 from .state.store import CapsuleStore
+from .state.transfer import check_manifest, Exports, Manifest, Staging
 from .stats import RingStats, RuntimeStats, TierStats
 
 RESTORE_MODES = ('full', 'kv_only')
@@ -128,6 +130,7 @@ class Runtime:
         self.fingerprint = self.codec.fingerprint
         self.store = CapsuleStore(self.device, config.budgets, config.eviction,
                                   config.capsule_path, self.fingerprint, config.capsule_key())
+        self.exports = Exports(self.store.key)  # capsules served to other runtimes
         self._restore_times: collections.deque[float] = collections.deque(maxlen=1000)
         self._last_restore_s = 0.0
         self._decode_tps = 0.0
@@ -497,6 +500,43 @@ class Runtime:
         blob = move_blob(cap.blob, tier, self.device,
                          None if self._pool is None else self._pool.take)  # CPU: one memory
         stored = self.store.put(cap.with_blob(target, tier, blob))
+        if self._cuda:
+            torch.cuda.synchronize(self.device)  # the info's latency covers the copy
+        return stored.info(time.perf_counter() - t0)
+
+    # ---- transfer between runtimes (state/transfer.py); the live state is untouched ---
+
+    def export_capsule(self, name: str) -> Manifest:
+        """Open an export of capsule `name`; export_chunk() serves its bytes by offset."""
+        validate_name(name)
+        self._check_open()
+        return self.exports.add(self.store.get(name))
+
+    def begin_import(self, manifest: Manifest, name: str, tier: str) -> Staging:
+        """Check that the announced capsule fits here (model, layout, name, budget); stage it."""
+        validate_name(name)
+        validate_tier(tier)
+        self._check_open()
+        check_manifest(manifest, self.fingerprint, self.arena.manifest)
+        size = manifest.total_bytes if tier == 'disk' else manifest.state_bytes
+        self.store.check_room(tier, size, name)
+        return Staging(manifest)
+
+    def finish_import(self, staging: Staging, name: str, tier: str,
+                      origin: Origin) -> CapsuleInfo:
+        """Verify a complete staging buffer and store its capsule (visible from now on)."""
+        t0 = time.perf_counter()
+        self._check_open()
+        cap = staging.capsule(name, self.store.key, origin)
+        self.codec.check(cap)  # as restore would: a capsule that cannot be restored is refused
+        self.ring.retired.clear()  # it allocates: free what the ring dropped first
+        if tier == 'disk' or (tier == 'host' and not self._cuda):
+            blob = cap.blob  # host memory already: the staging buffer is the capsule's now
+        else:
+            blob = move_blob(cap.blob, tier, self.device,
+                             None if self._pool is None else self._pool.take)
+        stored = self.store.put(cap.with_blob(name, tier, blob, created=cap.created,
+                                              pinned=False, checksum=''))
         if self._cuda:
             torch.cuda.synchronize(self.device)  # the info's latency covers the copy
         return stored.info(time.perf_counter() - t0)

@@ -89,6 +89,10 @@ class Session:
             self._check_not_home(target, 'replace')
         return self.runtime.fork(source, target, tier)
 
+    def check_import(self, name):
+        """Refuse an import as `name` onto a protected home capsule (before any bytes move)."""
+        self._check_not_home(name, 'replace')
+
     def delete(self, name):
         """Delete capsule `name` (refused for a protected home capsule)."""
         self._check_not_home(name, 'delete')

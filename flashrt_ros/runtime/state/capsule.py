@@ -54,6 +54,24 @@ def not_found(name: str) -> CapsuleNotFoundError:
     return CapsuleNotFoundError(f'capsule {name!r} not found; list_capsules() shows what exists')
 
 
+class Origin(NamedTuple):
+    """Where an imported capsule came from: the node that served it, its name there, when."""
+
+    node: str  # fully qualified name of the source node, e.g. /left_arm/flashrt
+    name: str  # the capsule's name on that node
+    imported: float  # unix seconds the import completed
+
+    def to_json(self) -> dict:
+        return self._asdict()
+
+    @classmethod
+    def from_json(cls, data) -> 'Origin | None':
+        """Return the Origin a header holds (None for a capsule taken on this node)."""
+        if data is None:
+            return None
+        return cls(str(data['node']), str(data['name']), float(data['imported']))
+
+
 class CapsuleInfo(NamedTuple):
     """What a capsule operation reports (immutable; built on every restore, so a tuple)."""
 
@@ -67,6 +85,7 @@ class CapsuleInfo(NamedTuple):
     components: tuple[str, ...]
     pinned: bool = False
     latency_s: float = 0.0
+    origin: Origin | None = None  # set for a capsule imported from another node
 
 
 class Capsule:
@@ -94,12 +113,14 @@ class Capsule:
         nbytes: int | None = None,
         path: Path | None = None,
         epoch: int | None = None,
+        origin: Origin | None = None,
     ):
         self.name, self.tier, self.blob, self.packing = name, tier, blob, packing
         self.manifest, self.fingerprint, self.position = manifest, fingerprint, position
         self._meta_json, self.components = meta_json, components
         self.created = time.time() if created is None else created
         self.pinned, self.checksum, self.path = pinned, checksum, path
+        self.origin = origin
         self.nbytes = int(blob.numel()) if nbytes is None else nbytes
         self.last_used = time.monotonic()
         self.restore_cache: dict = {}  # checked meta, copy views of the blob (its runtime's)
@@ -127,6 +148,7 @@ class Capsule:
             self.components,
             self.pinned,
             latency_s,
+            self.origin,
         ))
 
     def with_blob(self, name: str, tier: str, blob: torch.Tensor | None,
@@ -136,6 +158,6 @@ class Capsule:
                   'manifest': self.manifest, 'fingerprint': self.fingerprint,
                   'position': self.position, 'meta_json': self._meta_json,
                   'components': self.components, 'created': time.time(),
-                  'epoch': self.epoch}  # the same state bytes
+                  'epoch': self.epoch, 'origin': self.origin}  # the same state bytes
         fields.update(changes)
         return Capsule(**fields)

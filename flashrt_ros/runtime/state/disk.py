@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import hashlib
 import hmac
 import json
@@ -28,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from .arena import ManifestEntry, Packing
-from .capsule import Capsule, validate_name
+from .capsule import Capsule, Origin, validate_name
 from ..errors import CapsuleNotFoundError, CorruptCapsuleError, FlashRTError, InvalidNameError
 
 FORMAT_VERSION = 2  # 2: arena prefix blobs (row-block layout)
@@ -66,7 +67,7 @@ def path_of(directory: Path, name: str) -> Path:
 
 def header(cap: Capsule) -> dict:
     """Everything but the blob and the checksum; what the checksum covers besides the bytes."""
-    return {
+    head = {
         'format': FORMAT_VERSION,
         'fingerprint': cap.fingerprint,
         'position': cap.position,
@@ -77,6 +78,9 @@ def header(cap: Capsule) -> dict:
         'manifest': [e.to_json() for e in cap.manifest],
         'meta': cap.meta_json,
     }
+    if cap.origin is not None:  # only an imported capsule's: other headers stay as they were
+        head['origin'] = cap.origin.to_json()
+    return head
 
 
 def checksum(blob: torch.Tensor, header_json: str) -> str:
@@ -140,14 +144,18 @@ def _open(name: str, path) -> int:
                            'the permissions of capsule_dir') from exc
 
 
-def _safetensors_head(fd: int, size: int) -> tuple[dict, int] | None:
-    """Return (the safetensors header JSON, its length) of a file of ours, None if foreign."""
-    raw = os.pread(fd, 8, 0)
+def _safetensors_head(pread, size: int) -> tuple[dict, int] | None:
+    """
+    Return (the safetensors header JSON, its length) of a file of ours, None if foreign.
+
+    pread(n, offset) reads the file's bytes (os.pread of a descriptor, or a slice of memory).
+    """
+    raw = pread(8, 0)
     n = int.from_bytes(raw, 'little') if len(raw) == 8 else 0
     if not 2 <= n <= min(MAX_HEADER, size - 8):
         return None
     try:
-        top = json.loads(os.pread(fd, n, 8))
+        top = json.loads(pread(n, 8))
     except ValueError:  # not JSON, or not UTF-8
         return None
     meta = top.get('__metadata__') if isinstance(top, dict) else None
@@ -156,70 +164,56 @@ def _safetensors_head(fd: int, size: int) -> tuple[dict, int] | None:
     return top, n
 
 
-def read(name: str, path: Path, header_only: bool = False, key: bytes | None = None) -> Capsule:
-    """Read a capsule file; header_only leaves the blob out (and unverified)."""
-    fd = _open(name, path)
+def _parse_head(name: str, where: str, top: dict, n: int, size: int,
+                path: Path | None) -> tuple[Capsule, dict, dict, int]:
+    """Return the header-only capsule, its header, the metadata and the blob's byte count."""
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise not_a_capsule(name, path, 'not a regular file')
-        found = _safetensors_head(fd, st.st_size)
-        if found is None:
-            raise not_a_capsule(name, path, 'a file without the flashrt_ros capsule header')
-        top, n = found
-        try:
-            meta = top['__metadata__']
-            header_json, stored = meta[MAGIC], meta['checksum']
-            head = json.loads(header_json)
-            if head.get('format') != FORMAT_VERSION:
-                raise ValueError(f"capsule format {head.get('format')!r}, this version reads "
-                                 f'{FORMAT_VERSION}: written by another flashrt_ros release')
-            entry = top['blob']
-            nbytes = int(entry['shape'][0])
-            if (entry['dtype'] != 'U8' or entry['data_offsets'] != [0, nbytes]
-                    or st.st_size != 8 + n + nbytes):
-                raise ValueError(f'the file holds {st.st_size} bytes, its header says '
-                                 f'{8 + n + nbytes} (truncated or garbled)')
-            cap = Capsule(
-                name=name,
-                tier='disk',
-                blob=None,
-                packing=Packing.from_json(head['packing']),
-                manifest=tuple(ManifestEntry.from_json(e) for e in head['manifest']),
-                fingerprint=head['fingerprint'],
-                position=int(head['position']),
-                meta_json=head['meta'],
-                components=tuple(head['components']),
-                created=float(head['created']),
-                pinned=bool(head['pinned']),
-                checksum=stored,
-                nbytes=st.st_size,
-                path=path,
-            )
-        except Exception as exc:  # garbled header: json, key, type and value errors
-            raise CorruptCapsuleError(
-                f'capsule file {str(path)!r} cannot be read ({exc}); '
-                'delete it and take a new snapshot'
-            ) from exc
-        if header_only:
-            return cap
-        if nbytes != cap.packing.nbytes:
-            raise CorruptCapsuleError(
-                f'capsule file {str(path)!r} holds {nbytes} bytes of state, '
-                f'its header says {cap.packing.nbytes}; delete it'
-            )
-        blob = torch.empty(nbytes, dtype=torch.uint8)
-        view, done = memoryview(blob.numpy()), 0
-        while done < nbytes:  # one read of up to 2 GiB per call on Linux
-            got = os.preadv(fd, [view[done:]], 8 + n + done)
-            if got <= 0:
-                raise CorruptCapsuleError(f'capsule file {str(path)!r} was truncated while '
-                                          'it was read; try again')
-            done += got
-    except OSError as exc:
-        raise FlashRTError(f'capsule file {str(path)!r} cannot be read ({exc})') from exc
-    finally:
-        os.close(fd)
+        meta = top['__metadata__']
+        header_json, stored = meta[MAGIC], meta['checksum']
+        head = json.loads(header_json)
+        if head.get('format') != FORMAT_VERSION:
+            raise ValueError(f"capsule format {head.get('format')!r}, this version reads "
+                             f'{FORMAT_VERSION}: written by another flashrt_ros release')
+        entry = top['blob']
+        nbytes = int(entry['shape'][0])
+        if (entry['dtype'] != 'U8' or entry['data_offsets'] != [0, nbytes]
+                or size != 8 + n + nbytes):
+            raise ValueError(f'the file holds {size} bytes, its header says '
+                             f'{8 + n + nbytes} (truncated or garbled)')
+        cap = Capsule(
+            name=name,
+            tier='disk',
+            blob=None,
+            packing=Packing.from_json(head['packing']),
+            manifest=tuple(ManifestEntry.from_json(e) for e in head['manifest']),
+            fingerprint=head['fingerprint'],
+            position=int(head['position']),
+            meta_json=head['meta'],
+            components=tuple(head['components']),
+            created=float(head['created']),
+            pinned=bool(head['pinned']),
+            checksum=stored,
+            nbytes=size,
+            path=path,
+            origin=Origin.from_json(head.get('origin')),
+        )
+    except Exception as exc:  # garbled header: json, key, type and value errors
+        raise CorruptCapsuleError(
+            f'{where} cannot be read ({exc}); delete it and take a new snapshot'
+        ) from exc
+    return cap, head, meta, nbytes
+
+
+def _check_blob_size(where: str, cap: Capsule, nbytes: int) -> None:
+    if nbytes != cap.packing.nbytes:
+        raise CorruptCapsuleError(
+            f'{where} holds {nbytes} bytes of state, its header says {cap.packing.nbytes}; '
+            'delete it')
+
+
+def _verify(name: str, blob: torch.Tensor, head: dict, meta: dict, key: bytes | None) -> None:
+    """Raise CorruptCapsuleError unless blob + header match the checksum (and the MAC)."""
+    stored = meta['checksum']
     if checksum(blob, json.dumps(head, sort_keys=True)) != stored:
         raise CorruptCapsuleError(
             f'capsule {name!r} failed its checksum (the file was modified or '
@@ -230,6 +224,60 @@ def read(name: str, path: Path, header_only: bool = False, key: bytes | None = N
             f'capsule {name!r} was not written with this key ($FLASHRT_CAPSULE_KEY_FILE): its MAC '
             'is missing or wrong, so it is refused; take a new snapshot, or restore it in a '
             'runtime with the key that wrote it')
+
+
+def read(name: str, path: Path, header_only: bool = False, key: bytes | None = None) -> Capsule:
+    """Read a capsule file; header_only leaves the blob out (and unverified)."""
+    fd = _open(name, path)
+    where = f'capsule file {str(path)!r}'
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise not_a_capsule(name, path, 'not a regular file')
+        found = _safetensors_head(functools.partial(os.pread, fd), st.st_size)
+        if found is None:
+            raise not_a_capsule(name, path, 'a file without the flashrt_ros capsule header')
+        top, n = found
+        cap, head, meta, nbytes = _parse_head(name, where, top, n, st.st_size, path)
+        if header_only:
+            return cap
+        _check_blob_size(where, cap, nbytes)
+        blob = torch.empty(nbytes, dtype=torch.uint8)
+        view, done = memoryview(blob.numpy()), 0
+        while done < nbytes:  # one read of up to 2 GiB per call on Linux
+            got = os.preadv(fd, [view[done:]], 8 + n + done)
+            if got <= 0:
+                raise CorruptCapsuleError(f'{where} was truncated while it was read; '
+                                          'try again')
+            done += got
+    except OSError as exc:
+        raise FlashRTError(f'{where} cannot be read ({exc})') from exc
+    finally:
+        os.close(fd)
+    _verify(name, blob, head, meta, key)
+    cap.blob = blob
+    return cap
+
+
+def decode(name: str, data, key: bytes | None = None) -> Capsule:
+    """
+    Parse and verify capsule file bytes held in memory (what encode() returned, received).
+
+    The blob is a view of `data` (a writable buffer the caller hands over). Raises
+    CorruptCapsuleError for bytes that are not a whole capsule or fail the checksum or MAC.
+    """
+    view = memoryview(data)
+    where = f'received capsule {name!r}'
+    found = _safetensors_head(lambda k, off: bytes(view[off:off + k]), len(view))
+    if found is None:
+        raise CorruptCapsuleError(f'{where} has no flashrt_ros capsule header (garbled in '
+                                  'transit); nothing was stored: transfer it again')
+    top, n = found
+    cap, head, meta, nbytes = _parse_head(name, where, top, n, len(view), None)
+    _check_blob_size(where, cap, nbytes)
+    blob = torch.frombuffer(view, dtype=torch.uint8, offset=8 + n, count=nbytes) \
+        if nbytes else torch.empty(0, dtype=torch.uint8)
+    _verify(name, blob, head, meta, key)
     cap.blob = blob
     return cap
 
@@ -251,7 +299,7 @@ def _fingerprint_of(path: Path) -> str:
     try:
         fd = os.open(path, _OPEN_FLAGS)
         try:
-            top, _ = _safetensors_head(fd, os.fstat(fd).st_size)
+            top, _ = _safetensors_head(functools.partial(os.pread, fd), os.fstat(fd).st_size)
         finally:
             os.close(fd)
         return str(json.loads(top['__metadata__'][MAGIC])['fingerprint'])

@@ -179,6 +179,12 @@ class CapsuleStore:
             self._mem[capsule.name] = capsule
             return capsule
 
+    def check_room(self, tier: str, nbytes: int, name: str) -> None:
+        """Raise now if nbytes could not be put in tier as capsule `name` (nothing evicted)."""
+        with self._lock:
+            self._check_replace(name)
+            self._make_room(tier, nbytes, name)
+
     def check_name(self, name: Any) -> None:
         """Raise InvalidNameError for a bad name (a dict lookup for a stored, valid one)."""
         if not (isinstance(name, str) and name in self._mem):

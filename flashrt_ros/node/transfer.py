@@ -1,0 +1,260 @@
+"""
+Capsules between nodes: the export services and the import action.
+
+~/export_manifest and ~/export_chunk serve this node's capsules, the ~/import_capsule
+action pulls one from another node (the protocol, which needs no ROS, is
+runtime/state/transfer.py).
+
+Concurrency: everything here runs in a reentrant callback group of its own, never in the
+node's `ordered` or `state` groups, so a transfer never delays ~/interrupt, ~/reset or a
+snapshot. An import only stores a capsule, as ~/fork does: the live state is not touched,
+so it may run while the node generates; using the capsule is an ordinary ~/restore, which
+waits for a turn boundary like any other. One import runs at a time (another goal is
+rejected until it ends); exports are served concurrently.
+"""
+
+import array
+import collections
+import threading
+import time
+
+from flashrt_ros.action import ImportCapsule
+from flashrt_ros.runtime import FlashRTError
+from flashrt_ros.runtime.state.capsule import Origin
+from flashrt_ros.runtime.state.transfer import Manifest
+from flashrt_ros.srv import ExportChunk, ExportManifest
+from rclpy.action import ActionServer, CancelResponse, GoalResponse
+from rclpy.callback_groups import ReentrantCallbackGroup
+
+from . import messages
+
+# Chunk requests in flight at once: the next chunk is on its way while one is copied in.
+WINDOW = 4
+MAX_SOURCES = 16  # cached clients of source nodes; the oldest go beyond this
+
+
+class TransferFailed(Exception):
+    """An import step failed; the message says why and what to do."""
+
+
+class CapsuleTransfer:
+    """Export services and the import action of one FlashRTNode."""
+
+    def __init__(self, node):
+        self._node = node
+        self._group = ReentrantCallbackGroup()
+        self._clients = collections.OrderedDict()  # source node -> (manifest, chunk) clients
+        self._clients_lock = threading.Lock()
+        self._importing = threading.Lock()  # held from goal acceptance to its result
+        node.create_service(ExportManifest, '~/export_manifest', self._manifest_callback,
+                            callback_group=self._group)
+        node.create_service(ExportChunk, '~/export_chunk', self._chunk_callback,
+                            callback_group=self._group)
+        self._server = ActionServer(
+            node, ImportCapsule, '~/import_capsule', self._execute_callback,
+            callback_group=self._group, goal_callback=self._goal_callback,
+            cancel_callback=lambda goal_handle: CancelResponse.ACCEPT)
+
+    def _runtime(self, response):
+        """Return the active node's runtime, or None with the reason in response."""
+        session = self._node.session
+        if session is None or not session.active:
+            response.success, response.message = False, self._node.not_active_message()
+            return None
+        return session.runtime
+
+    # ---- the sender --------------------------------------------------------------------
+
+    def _manifest_callback(self, request, response):
+        rt = self._runtime(response)
+        if rt is None:
+            return response
+        t0 = time.perf_counter()
+        try:
+            m = rt.export_capsule(request.name)
+            info = rt.store.peek(request.name).info()
+        except FlashRTError as exc:
+            response.success, response.message = False, str(exc)
+            self._node.get_logger().warning(f'export {request.name!r} refused: {exc}')
+            return response
+        response.export_id, response.total_bytes = m.export_id, m.total_bytes
+        response.checksum, response.header_json = m.checksum, m.header_json
+        response.fingerprint = m.fingerprint
+        messages.info_msg(info, response.capsule)
+        response.success = True
+        response.message = (f'export {m.export_id} of {m.name!r}: {m.total_bytes} bytes, '
+                            f'position {m.position}')
+        self._node.publish_event('export', m.name, info.tier, m.total_bytes,
+                                 (time.perf_counter() - t0) * 1e3, True, response.message)
+        return response
+
+    def _chunk_callback(self, request, response):
+        rt = self._runtime(response)
+        if rt is None:
+            return response
+        try:
+            if request.length:
+                data = rt.exports.chunk(request.export_id, request.offset, request.length)
+                out = array.array('B')
+                out.frombytes(data)
+                response.data = out  # an array.array: taken as it is, not checked per byte
+            if request.close:
+                rt.exports.close(request.export_id)
+        except FlashRTError as exc:
+            response.success, response.message = False, str(exc)
+            return response
+        response.success = True
+        return response
+
+    # ---- the receiver ------------------------------------------------------------------
+
+    def _goal_callback(self, goal):
+        if self._node.session is None or not self._node.session.active:
+            self._node.get_logger().warning(f'import refused: {self._node.not_active_message()}')
+            return GoalResponse.REJECT
+        if not self._importing.acquire(blocking=False):
+            self._node.get_logger().warning('import refused: another import is running; '
+                                            'wait for it to finish')
+            return GoalResponse.REJECT
+        return GoalResponse.ACCEPT
+
+    def _execute_callback(self, goal_handle):
+        try:
+            return self._import(goal_handle)
+        finally:
+            self._importing.release()
+
+    def _import(self, goal_handle):
+        goal = goal_handle.request
+        name, tier = goal.name or goal.source_name, goal.tier or 'device'
+        t0 = time.perf_counter()
+        manifest, staging, result = None, None, ImportCapsule.Result()
+        source = goal.source_node
+        try:
+            session = self._node.session
+            if session is None or not session.active:
+                raise TransferFailed(self._node.not_active_message())
+            session.check_import(name)
+            manifest_cli, chunk_cli = self._clients_of(source)
+            answer = self._call(manifest_cli, ExportManifest.Request(name=goal.source_name),
+                                source)
+            if not answer.success:
+                raise TransferFailed(f'{source} refused the export: {answer.message}')
+            manifest = Manifest(answer.export_id, goal.source_name, int(answer.total_bytes),
+                                answer.checksum, answer.header_json)
+            staging = session.runtime.begin_import(manifest, name, tier)  # before any bytes
+            if not self._receive(goal_handle, chunk_cli, source, staging):
+                goal_handle.canceled()
+                result.message = (f'import of {goal.source_name!r} from {source} cancelled '
+                                  f'after {staging.received} of {manifest.total_bytes} bytes; '
+                                  'nothing was stored')
+                self._report(name, tier, staging.received, t0, False, result.message)
+                return result
+            info = session.runtime.finish_import(
+                staging, name, tier, Origin(source, goal.source_name, time.time()))
+        except (FlashRTError, TransferFailed) as exc:
+            message = str(exc)
+        except Exception as exc:  # a bug, not bad input: report it and keep serving
+            message = f'internal error in import: {exc!r}'
+        else:
+            elapsed = time.perf_counter() - t0
+            result.success, result.transferred_bytes = True, manifest.total_bytes
+            result.duration_s = elapsed
+            result.throughput_mib_s = manifest.total_bytes / elapsed / (1 << 20)
+            messages.info_msg(info, result.capsule)
+            result.message = (
+                f'imported {goal.source_name!r} from {source} as {info.name!r} in {info.tier}: '
+                f'{manifest.total_bytes} bytes in {elapsed * 1e3:.1f} ms '
+                f'({result.throughput_mib_s:.0f} MiB/s), position {info.position}')
+            goal_handle.succeed()
+            self._report(name, info.tier, manifest.total_bytes, t0, True, result.message)
+            self._node.publish_evictions()
+            return result
+        if manifest is not None and (staging is None or not staging.complete):
+            self._close_export(source, manifest.export_id)
+        received = staging.received if staging is not None else 0
+        result.message = (f'import of {goal.source_name!r} from {source} failed: {message}'
+                          + ('' if 'nothing was' in message else '; nothing was stored'))
+        self._node.get_logger().warning(result.message)
+        goal_handle.abort()
+        self._report(name, tier, received, t0, False, result.message)
+        return result
+
+    def _receive(self, goal_handle, chunk_cli, source, staging):
+        """Read every chunk into staging; return False if the goal was cancelled meanwhile."""
+        m, total = staging.manifest, staging.manifest.total_bytes
+        size = int(self._node.get_parameter('transfer_chunk_bytes').value)
+        timeout = float(self._node.get_parameter('transfer_timeout').value)
+        pending, next_offset = collections.deque(), 0
+        feedback = ImportCapsule.Feedback(bytes_total=total)
+        while not staging.complete:
+            if goal_handle.is_cancel_requested:
+                for _, future in pending:
+                    chunk_cli.remove_pending_request(future)
+                self._close_export(source, m.export_id)
+                return False
+            while len(pending) < WINDOW and next_offset < total:
+                length = min(size, total - next_offset)
+                last = next_offset + length == total
+                request = ExportChunk.Request(export_id=m.export_id, offset=next_offset,
+                                              length=length, close=last)
+                pending.append((next_offset, chunk_cli.call_async(request)))
+                next_offset += length
+            offset, future = pending.popleft()
+            answer = self._wait(chunk_cli, future, source, timeout)
+            if not answer.success:
+                raise TransferFailed(f'{source} stopped serving the export: {answer.message}')
+            staging.add(offset, answer.data)
+            feedback.bytes_received = staging.received
+            goal_handle.publish_feedback(feedback)
+        return True
+
+    def _report(self, name, tier, nbytes, t0, success, message):
+        self._node.publish_event('import', name, tier, nbytes,
+                                 (time.perf_counter() - t0) * 1e3, success, message)
+
+    def _clients_of(self, source):
+        """Return the (manifest, chunk) service clients of node `source` (made once)."""
+        if not source.startswith('/') or source.endswith('/'):
+            raise TransferFailed(f'source_node {source!r} is not a fully qualified node name; '
+                                 'give it like /left_arm/flashrt')
+        with self._clients_lock:
+            clients = self._clients.get(source)
+            if clients is None:
+                clients = (
+                    self._node.create_client(ExportManifest, f'{source}/export_manifest',
+                                             callback_group=self._group),
+                    self._node.create_client(ExportChunk, f'{source}/export_chunk',
+                                             callback_group=self._group))
+                self._clients[source] = clients
+                while len(self._clients) > MAX_SOURCES:
+                    for client in self._clients.popitem(last=False)[1]:
+                        self._node.destroy_client(client)
+            self._clients.move_to_end(source)
+            return clients
+
+    def _call(self, client, request, source):
+        timeout = float(self._node.get_parameter('transfer_timeout').value)
+        if not client.wait_for_service(timeout_sec=timeout):
+            raise TransferFailed(f'no node {source} serves {client.srv_name} (waited '
+                                 f'{timeout:.1f} s): check the name, the namespace and that '
+                                 'both nodes share a ROS domain')
+        return self._wait(client, client.call_async(request), source, timeout)
+
+    @staticmethod
+    def _wait(client, future, source, timeout):
+        done = threading.Event()
+        future.add_done_callback(lambda _: done.set())
+        if not done.wait(timeout):
+            client.remove_pending_request(future)
+            raise TransferFailed(f'{source} did not answer within {timeout:.1f} s (the node '
+                                 'stopped or the network is gone)')
+        return future.result()
+
+    def _close_export(self, source, export_id):
+        """Ask the source to drop an export we will not finish (no wait: it may be gone)."""
+        try:
+            _, chunk_cli = self._clients_of(source)
+            chunk_cli.call_async(ExportChunk.Request(export_id=export_id, close=True))
+        except Exception:  # noqa: B902 - best effort; the export expires on its own anyway
+            pass

@@ -1,0 +1,305 @@
+"""Capsules between node processes in different namespaces over real DDS (~/import_capsule)."""
+
+import array
+import os
+import signal
+import threading
+import time
+
+from action_msgs.msg import GoalStatus
+from flashrt_ros.node_process import NodeProcess
+from node_harness import EventLog, HOME, set_parameter, wait_active
+import pytest
+
+MODEL = {
+    'model': 'builtin:bench-hybrid',  # a capsule of a few MiB at a few hundred tokens
+    'max_seq_len': 1024,
+    'max_new_tokens': 16,
+    'system_prompt': 'Robot.',
+    'interrupt_timeout': 5.0,
+    'transfer_timeout': 3.0,
+}
+LEFT, RIGHT = '/left_arm/flashrt', '/right_arm/flashrt'
+# Room for the home capsule and one imported capsule of the test's size, not two.
+RIGHT_PARAMS = dict(MODEL, host_budget_bytes=4 << 20, disk_budget_bytes=1 << 20)
+CONTEXT = [(7 * i + 3) % 250 for i in range(700)]  # ~2.7 MiB of state on bench-hybrid
+
+
+def _start(tmp_path_factory, fqn, params, capsule_dir=None):
+    namespace, name = fqn.rsplit('/', 1)
+    workdir = str(tmp_path_factory.mktemp(namespace.strip('/') or name))
+    params = dict(params, capsule_dir=capsule_dir or os.path.join(workdir, 'capsules'))
+    return NodeProcess(workdir, params, name=name, extra_args=['-r', f'__ns:={namespace}'])
+
+
+def _client(fqn, proc):
+    namespace, name = fqn.rsplit('/', 1)
+    from flashrt_ros.client import FlashRTClient
+    client = FlashRTClient(name, namespace=namespace, timeout=20.0)
+    wait_active(client, proc, timeout=180.0)
+    return client
+
+
+@pytest.fixture(scope='module')
+def nodes(tmp_path_factory):
+    """Start the sender (left) and receiver (right) processes; yield their clients."""
+    procs = {LEFT: _start(tmp_path_factory, LEFT, MODEL),
+             RIGHT: _start(tmp_path_factory, RIGHT, RIGHT_PARAMS)}
+    clients = {}
+    try:
+        for fqn, proc in procs.items():
+            clients[fqn] = _client(fqn, proc)
+        yield clients, procs
+    finally:
+        for c in clients.values():
+            c.close()
+        for proc in procs.values():
+            proc.stop()
+
+
+@pytest.fixture(scope='module')
+def context(nodes):
+    """Prefill CONTEXT on the left node and snapshot it as 'ctx'; return what follows it."""
+    clients, _ = nodes
+    left = clients[LEFT]
+    assert left.restore(HOME).success
+    assert left.generate(token_ids=CONTEXT, max_new_tokens=1, timeout=120.0).result.success
+    response = left.snapshot('ctx', tier='host')
+    assert response.success, response.message
+    digest = left.state_digest()
+    continued = left.generate(max_new_tokens=12, timeout=120.0).result
+    assert continued.success, continued.message
+    return {'digest': digest, 'tokens': list(continued.token_ids),
+            'size': response.capsule.size_bytes}
+
+
+def _listing(client):
+    response = client.list_capsules()
+    assert response.success, response.message
+    return {c.name: (c.tier, c.size_bytes, c.checksum, c.position) for c in response.capsules}
+
+
+def test_capsule_moves_and_continues_token_identically(nodes, context):
+    clients, _ = nodes
+    right = clients[RIGHT]
+    assert context['size'] > 2 << 20
+    events = EventLog(right)
+    try:
+        run = right.start_import(LEFT, 'ctx', name='from_left', tier='host')
+        assert run.accepted
+        status, result = run.result(120.0)
+        assert status == GoalStatus.STATUS_SUCCEEDED and result.success, result.message
+        assert result.transferred_bytes > context['size'] and result.throughput_mib_s > 0
+        assert run.feedback and run.feedback[-1].bytes_received == result.transferred_bytes
+        assert [f.bytes_received for f in run.feedback] == sorted(
+            f.bytes_received for f in run.feedback)
+        event = events.wait_for(lambda e: e.operation == 'import' and e.name == 'from_left')
+        assert event is not None and event.success
+        assert event.size_bytes == result.transferred_bytes and event.latency_ms > 0
+        assert 'MiB/s' in event.message
+    finally:
+        events.close()
+    listed = {c.name: c for c in right.list_capsules().capsules}['from_left']
+    assert (listed.origin_node, listed.origin_name) == (LEFT, 'ctx')
+    assert abs(listed.imported.sec - time.time()) < 120 and listed.tier == 'host'
+    assert right.restore('from_left').success
+    assert right.state_digest() == context['digest']
+    continued = right.generate(max_new_tokens=12, timeout=120.0).result
+    assert list(continued.token_ids) == context['tokens']
+    # a copy keeps its provenance
+    fork = right.fork('from_left', 'from_left_copy', tier='device')
+    assert fork.success and fork.capsule.origin_node == LEFT, fork.message
+    assert right.delete_capsule('from_left').success
+    assert right.delete_capsule('from_left_copy').success
+
+
+def test_foreign_model_refused_before_any_bytes(nodes, tmp_path_factory):
+    clients, _ = nodes
+    right = clients[RIGHT]
+    proc = _start(tmp_path_factory, '/foreign/flashrt',
+                  {'model': 'builtin:tiny-hybrid', 'max_seq_len': 256})
+    foreign = None
+    try:
+        foreign = _client('/foreign/flashrt', proc)
+        assert foreign.snapshot('theirs', tier='host').success
+        before = _listing(right)
+        run = right.start_import('/foreign/flashrt', 'theirs')
+        status, result = run.result(60.0)
+        assert status == GoalStatus.STATUS_ABORTED and not result.success
+        assert 'different model' in result.message and 'nothing was transferred' in \
+            result.message, result.message
+        assert run.feedback == []  # no chunk was read
+        assert _listing(right) == before
+    finally:
+        if foreign is not None:
+            foreign.close()
+        proc.stop()
+
+
+class _Tamperer:
+    """
+    A sender that relays the left node's export but flips one byte of the last chunk.
+
+    It serves the same two services under its own node name, so the receiver runs its real
+    receive path against bytes that went bad in transit.
+    """
+
+    def __init__(self):
+        import rclpy
+        from flashrt_ros.srv import ExportChunk, ExportManifest
+        from rclpy.callback_groups import ReentrantCallbackGroup
+        from rclpy.executors import MultiThreadedExecutor
+        self.context = rclpy.Context()
+        rclpy.init(context=self.context)
+        self.node = rclpy.create_node('flashrt', namespace='/tamper', context=self.context)
+        group = ReentrantCallbackGroup()
+        self._manifest = self.node.create_client(ExportManifest, f'{LEFT}/export_manifest',
+                                                 callback_group=group)
+        self._chunk = self.node.create_client(ExportChunk, f'{LEFT}/export_chunk',
+                                              callback_group=group)
+        self.node.create_service(ExportManifest, '~/export_manifest', self._relay_manifest,
+                                 callback_group=group)
+        self.node.create_service(ExportChunk, '~/export_chunk', self._relay_chunk,
+                                 callback_group=group)
+        self.total = 0
+        self.flipped = 0
+        # A relayed call holds its thread until the forward's answer, which needs another:
+        # more threads than the receiver's chunk requests in flight.
+        self._executor = MultiThreadedExecutor(num_threads=12, context=self.context)
+        self._executor.add_node(self.node)
+        self._thread = threading.Thread(target=self._executor.spin, daemon=True)
+        self._thread.start()
+
+    def _forward(self, client, request):
+        assert client.wait_for_service(timeout_sec=10.0)
+        done = threading.Event()
+        future = client.call_async(request)
+        future.add_done_callback(lambda _: done.set())
+        assert done.wait(10.0)
+        return future.result()
+
+    def _relay_manifest(self, request, response):
+        answer = self._forward(self._manifest, request)
+        self.total = answer.total_bytes
+        return answer
+
+    def _relay_chunk(self, request, response):
+        answer = self._forward(self._chunk, request)
+        end = request.offset + len(answer.data)
+        if answer.success and len(answer.data) and end == self.total:
+            data = array.array('B', answer.data)
+            data[-10] ^= 0x01  # one bit of the state bytes, near the end
+            answer.data = data
+            self.flipped += 1
+        return answer
+
+    def close(self):
+        import rclpy
+        self._executor.shutdown(timeout_sec=2.0)
+        self.node.destroy_node()
+        rclpy.try_shutdown(context=self.context)
+
+
+def test_corrupted_chunk_refused_at_the_checksum(nodes, context):
+    clients, _ = nodes
+    right = clients[RIGHT]
+    assert right.restore(HOME).success
+    digest, before = right.state_digest(), _listing(right)
+    tamperer = _Tamperer()
+    try:
+        result = right.import_capsule('/tamper/flashrt', 'ctx', name='tampered', tier='host')
+    finally:
+        tamperer.close()
+    assert tamperer.flipped == 1, result.message
+    assert not result.success and 'failed its checksum' in result.message, result.message
+    assert 'nothing was stored' in result.message
+    assert _listing(right) == before and right.state_digest() == digest
+    assert not right.restore('tampered').success
+
+
+def test_sender_killed_mid_transfer_leaves_receiver_unchanged(nodes, tmp_path_factory):
+    clients, _ = nodes
+    right = clients[RIGHT]
+    proc = _start(tmp_path_factory, '/victim/flashrt', MODEL)
+    victim = None
+    try:
+        victim = _client('/victim/flashrt', proc)
+        assert victim.generate(token_ids=CONTEXT, max_new_tokens=1, timeout=120.0).result.success
+        assert victim.snapshot('ctx', tier='host').success
+        assert set_parameter(right, 'transfer_chunk_bytes', 4096).successful
+        assert right.restore(HOME).success
+        digest, before = right.state_digest(), _listing(right)
+        started = threading.Event()
+        run = right.start_import('/victim/flashrt', 'ctx', name='half', tier='host',
+                                 feedback_callback=lambda fb: started.set())
+        assert started.wait(60.0)
+        os.kill(proc.pid, signal.SIGKILL)
+        status, result = run.result(60.0)
+        assert status == GoalStatus.STATUS_ABORTED and not result.success
+        assert 'did not answer' in result.message and 'nothing was stored' in result.message
+    finally:
+        set_parameter(right, 'transfer_chunk_bytes', 256 << 10)
+        if victim is not None:
+            victim.close()
+        proc.stop()
+    assert _listing(right) == before and right.state_digest() == digest
+    assert not right.restore('half').success
+    assert right.generate('Still here.', max_new_tokens=3).result.success  # and serving
+
+
+def test_cancel_leaves_nothing(nodes, context):
+    clients, _ = nodes
+    right = clients[RIGHT]
+    assert set_parameter(right, 'transfer_chunk_bytes', 4096).successful
+    try:
+        before = _listing(right)
+        started = threading.Event()
+        run = right.start_import(LEFT, 'ctx', name='cancelled', tier='host',
+                                 feedback_callback=lambda fb: started.set())
+        assert started.wait(60.0)
+        run.cancel()
+        status, result = run.result(60.0)
+        assert status == GoalStatus.STATUS_CANCELED and not result.success
+        assert 'nothing was stored' in result.message
+        assert _listing(right) == before
+    finally:
+        set_parameter(right, 'transfer_chunk_bytes', 256 << 10)
+
+
+def test_receiver_budgets_are_honoured(nodes, context):
+    clients, _ = nodes
+    right = clients[RIGHT]
+    before = _listing(right)
+    run = right.start_import(LEFT, 'ctx', name='too_big', tier='disk')  # disk budget 1 MiB
+    status, result = run.result(60.0)
+    assert not result.success and 'disk budget' in result.message, result.message
+    assert run.feedback == []  # refused before any bytes moved
+    assert _listing(right) == before
+    # the host tier has room for one more capsule of this size, not two
+    first = right.import_capsule(LEFT, 'ctx', name='one', tier='host')
+    assert first.success, first.message
+    second = right.import_capsule(LEFT, 'ctx', name='two', tier='host')
+    assert not second.success and 'host tier is full' in second.message, second.message
+    assert set(_listing(right)) == set(before) | {'one'}
+    assert right.delete_capsule('one').success
+
+
+def test_import_while_generating_keeps_the_turn_intact(nodes, context):
+    clients, _ = nodes
+    right = clients[RIGHT]
+    assert right.restore(HOME).success
+    reference = right.generate('Count on.', max_new_tokens=40, timeout=120.0).result
+    assert right.restore(HOME).success
+    run = right.start_generate('Count on.', max_new_tokens=40)
+    imported = right.import_capsule(LEFT, 'ctx', name='during_turn', tier='host')
+    outcome = run.result(120.0)
+    assert imported.success, imported.message
+    assert list(outcome.result.token_ids) == list(reference.token_ids)
+    assert right.delete_capsule('during_turn').success
+
+
+def test_import_refused_onto_the_home_capsule(nodes, context):
+    clients, _ = nodes
+    right = clients[RIGHT]
+    result = right.import_capsule(LEFT, 'ctx', name=HOME)
+    assert not result.success and 'home capsule' in result.message, result.message

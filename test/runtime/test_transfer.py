@@ -1,0 +1,176 @@
+"""Capsule transfer between two runtimes through the protocol module (no ROS)."""
+
+import dataclasses
+import json
+
+from flashrt_ros.runtime.errors import BudgetExceededError, CapsuleNotFoundError
+from flashrt_ros.runtime.errors import CorruptCapsuleError, FingerprintMismatchError
+from flashrt_ros.runtime.errors import InvalidRequestError
+from flashrt_ros.runtime.state import transfer
+from flashrt_ros.runtime.state.capsule import Origin
+import pytest
+from runtime_harness import greedy, PROMPT
+
+ORIGIN = Origin('/left_arm/flashrt', 'ctx', 1.0e9)
+
+
+def _pair(make_runtime, tmp_path, **receiver):
+    sender = make_runtime(capsule_dir=str(tmp_path / 'sender'))
+    return sender, make_runtime(capsule_dir=str(tmp_path / 'receiver'), **receiver)
+
+
+def _move(sender, receiver, manifest, chunk=1000, name='got', tier='host', tamper=None):
+    """Read every chunk of an export into the receiver's staging; store it."""
+    staging = receiver.begin_import(manifest, name, tier)
+    while not staging.complete:
+        data = bytes(sender.exports.chunk(manifest.export_id, staging.received, chunk))
+        if tamper is not None:
+            data = tamper(staging.received, data)
+        staging.add(staging.received, data)
+    return receiver.finish_import(staging, name, tier, ORIGIN)
+
+
+@pytest.mark.parametrize('tier', ['device', 'host', 'disk'])
+def test_a_moved_capsule_restores_byte_identically_and_continues(make_runtime, tmp_path, tier):
+    sender, receiver = _pair(make_runtime, tmp_path)
+    sender.prefill(PROMPT)
+    sender.snapshot('ctx', 'host')
+    digest = sender.state_digest()
+    expected = greedy(sender, 8)
+    info = _move(sender, receiver, sender.export_capsule('ctx'), tier=tier)
+    assert info.tier == tier and info.origin == ORIGIN and info.position == len(PROMPT)
+    assert [i.name for i in receiver.list_capsules()] == ['got']
+    receiver.restore('got')
+    assert receiver.state_digest() == digest
+    assert greedy(receiver, 8) == expected
+
+
+def test_the_origin_is_kept_on_disk_and_in_forks(make_runtime, tmp_path):
+    sender, receiver = _pair(make_runtime, tmp_path)
+    sender.snapshot('ctx', 'device')
+    _move(sender, receiver, sender.export_capsule('ctx'), tier='disk')
+    reader = make_runtime(capsule_dir=str(tmp_path / 'receiver'))  # reads the file afresh
+    assert {i.name: i.origin for i in reader.list_capsules()} == {'got': ORIGIN}
+    assert receiver.verify_capsule('got').origin == ORIGIN
+    assert receiver.fork('got', 'copy', 'host').origin == ORIGIN
+    assert sender.list_capsules()[0].origin is None  # a capsule taken here has none
+
+
+def test_an_export_serves_a_consistent_snapshot(make_runtime, tmp_path):
+    sender, receiver = _pair(make_runtime, tmp_path)
+    sender.prefill(PROMPT)
+    sender.snapshot('ctx', 'host')
+    digest = sender.state_digest()
+    manifest = sender.export_capsule('ctx')
+    sender.prefill(' and more')
+    sender.snapshot('ctx', 'host')  # the name is replaced mid-transfer
+    sender.delete_capsule('ctx')
+    _move(sender, receiver, manifest)
+    receiver.restore('got')
+    assert receiver.state_digest() == digest
+
+
+def test_a_foreign_model_or_layout_is_refused_before_any_bytes(make_runtime, tmp_path):
+    sender, receiver = _pair(make_runtime, tmp_path, max_seq_len=256)
+    sender.snapshot('ctx', 'host')
+    manifest = sender.export_capsule('ctx')
+    with pytest.raises(FingerprintMismatchError, match='nothing was transferred'):
+        receiver.begin_import(manifest, 'got', 'host')
+    other = make_runtime('builtin:tiny-lfm2', capsule_dir=str(tmp_path / 'lfm2'))
+    with pytest.raises(FingerprintMismatchError, match='different model'):
+        other.begin_import(manifest, 'got', 'host')
+    assert receiver.list_capsules() == [] and other.list_capsules() == []
+
+
+def test_a_corrupted_chunk_fails_the_checksum_and_nothing_is_stored(make_runtime, tmp_path):
+    sender, receiver = _pair(make_runtime, tmp_path)
+    sender.prefill(PROMPT)
+    sender.snapshot('ctx', 'host')
+    manifest = sender.export_capsule('ctx')
+    last = manifest.total_bytes - 5
+
+    def flip(offset, data):
+        if offset <= last < offset + len(data):
+            data = bytearray(data)
+            data[last - offset] ^= 0x40
+        return bytes(data)
+
+    digest = receiver.state_digest()
+    with pytest.raises(CorruptCapsuleError, match='failed its checksum'):
+        _move(sender, receiver, manifest, tamper=flip)
+    assert receiver.list_capsules() == [] and receiver.state_digest() == digest
+    with pytest.raises(CapsuleNotFoundError):
+        receiver.restore('got')
+
+
+def test_bytes_that_are_not_the_announced_capsule_are_refused(make_runtime, tmp_path):
+    sender, receiver = _pair(make_runtime, tmp_path)
+    sender.snapshot('a', 'host')
+    sender.prefill(PROMPT)
+    sender.snapshot('b', 'host')
+    a, b = sender.export_capsule('a'), sender.export_capsule('b')
+    # b's bytes (a valid capsule of its own) under a's manifest, resized to fit
+    lying = dataclasses.replace(a, export_id=b.export_id, total_bytes=b.total_bytes)
+    with pytest.raises(CorruptCapsuleError, match='not the capsule its manifest announced'):
+        _move(sender, receiver, lying)
+    assert receiver.list_capsules() == []
+
+
+def test_incomplete_or_out_of_order_chunks_are_refused(make_runtime, tmp_path):
+    sender, receiver = _pair(make_runtime, tmp_path)
+    sender.snapshot('ctx', 'host')
+    manifest = sender.export_capsule('ctx')
+    staging = receiver.begin_import(manifest, 'got', 'host')
+    first = bytes(sender.exports.chunk(manifest.export_id, 0, 100))
+    with pytest.raises(CorruptCapsuleError, match='does not continue'):
+        staging.add(100, first)
+    staging.add(0, first)
+    with pytest.raises(CorruptCapsuleError, match='100 of'):
+        receiver.finish_import(staging, 'got', 'host', ORIGIN)
+    assert receiver.list_capsules() == []
+
+
+def test_the_receivers_budget_is_checked_before_any_bytes(make_runtime, tmp_path):
+    sender, receiver = _pair(make_runtime, tmp_path, host_budget_bytes=1000,
+                             disk_budget_bytes=1000)
+    sender.prefill(PROMPT)
+    sender.snapshot('ctx', 'host')
+    manifest = sender.export_capsule('ctx')
+    for tier in ('host', 'disk'):
+        with pytest.raises(BudgetExceededError, match=f'{tier} budget'):
+            receiver.begin_import(manifest, 'got', tier)
+    assert receiver.list_capsules() == []
+
+
+def test_the_manifest_describes_the_capsule(make_runtime, tmp_path):
+    sender, _ = _pair(make_runtime, tmp_path)
+    sender.prefill(PROMPT)
+    info = sender.snapshot('ctx', 'host')
+    manifest = sender.export_capsule('ctx')
+    head = json.loads(manifest.header_json)
+    assert manifest.fingerprint == info.fingerprint == sender.fingerprint
+    assert manifest.position == len(PROMPT) and manifest.state_bytes == info.nbytes
+    assert head['manifest'] and manifest.total_bytes > info.nbytes
+    assert manifest.checksum == sender.verify_capsule('ctx').checksum
+
+
+def test_exports_expire_when_idle_and_are_bounded():
+    now = [0.0]
+    exports = transfer.Exports(None, clock=lambda: now[0])
+
+    with pytest.raises(CapsuleNotFoundError, match='not open here'):
+        exports.chunk('nope', 0, 10)
+    exports._open['x'] = [None, memoryview(b'abcdef'), now[0]]
+    assert bytes(exports.chunk('x', 4, 10)) == b'ef'
+    with pytest.raises(InvalidRequestError, match='outside export'):
+        exports.chunk('x', 7, 1)
+    with pytest.raises(InvalidRequestError, match='outside export'):
+        exports.chunk('x', 0, transfer.MAX_CHUNK_BYTES + 1)
+    now[0] += transfer.EXPORT_IDLE_S + 1
+    assert len(exports) == 0
+    for i in range(transfer.MAX_EXPORTS):
+        exports._open[str(i)] = [None, memoryview(b''), now[0]]
+    with pytest.raises(InvalidRequestError, match='exports are open'):
+        exports.add(object())  # refused before it is encoded
+    exports.close('0')
+    assert len(exports) == transfer.MAX_EXPORTS - 1
