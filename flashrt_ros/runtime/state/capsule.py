@@ -10,6 +10,7 @@ another tier, fork it under a new name.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 import re
 import time
@@ -67,6 +68,9 @@ class CapsuleInfo(NamedTuple):
     components: tuple[str, ...]
     pinned: bool = False
     latency_s: float = 0.0
+    # Role of each conversation message the state holds (system, user, assistant, raw);
+    # empty outside a conversation (runtime/chat.py).
+    roles: tuple[str, ...] = ()
 
 
 class Capsule:
@@ -90,6 +94,7 @@ class Capsule:
         nbytes: int | None = None,
         path: Path | None = None,
         epoch: int | None = None,
+        roles: tuple[str, ...] | None = None,
     ):
         self.name, self.tier, self.blob, self.packing = name, tier, blob, packing
         self.manifest, self.fingerprint, self.position = manifest, fingerprint, position
@@ -102,6 +107,7 @@ class Capsule:
         # The arena epoch the state was taken in (arena.rows_shared); None when unknown, as
         # for a capsule read from disk. In memory only: epochs are per process.
         self.epoch = epoch
+        self._roles = roles  # None: read from meta_json when asked (a disk capsule)
 
     @property
     def meta_json(self) -> str:
@@ -109,6 +115,17 @@ class Capsule:
         if callable(self._meta_json):
             self._meta_json = self._meta_json()
         return self._meta_json
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """Return the role of each conversation message the capsule's state holds."""
+        if self._roles is None:
+            try:
+                chat = json.loads(self.meta_json).get('chat', ())
+                self._roles = tuple(str(m[0]) for m in chat)
+            except (ValueError, TypeError, IndexError, AttributeError):
+                self._roles = ()  # unreadable meta: restore says what is wrong
+        return self._roles
 
     def info(self, latency_s: float = 0.0, tier: str | None = None) -> CapsuleInfo:
         # tuple.__new__ skips the named tuple's Python-level __new__ (every restore ends here)
@@ -123,6 +140,7 @@ class Capsule:
             self.components,
             self.pinned,
             latency_s,
+            self.roles,
         ))
 
     def with_blob(self, name: str, tier: str, blob: torch.Tensor | None,
@@ -132,6 +150,6 @@ class Capsule:
                   'manifest': self.manifest, 'fingerprint': self.fingerprint,
                   'position': self.position, 'meta_json': self._meta_json,
                   'components': self.components, 'created': time.time(),
-                  'epoch': self.epoch}  # the same state bytes
+                  'epoch': self.epoch, 'roles': self._roles}  # the same state bytes
         fields.update(changes)
         return Capsule(**fields)
