@@ -1,4 +1,4 @@
-"""
+r"""
 Conversations: a tokenizer's chat template rendered one turn at a time over the live state.
 
 With a template the context is a conversation of messages (role, content): the system

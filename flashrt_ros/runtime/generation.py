@@ -106,7 +106,7 @@ def check_vocab(tokenizer, vocab_size: int, ids: list[int]) -> list[int]:
     bad = [t for t in ids if not 0 <= t < limit]
     if bad:
         beyond = (f' (the model has {vocab_size} output rows, the tokenizer {tokenizer.vocab_size}'
-                  ' tokens: ids past the tokenizer\'s have no token)'
+                  " tokens: ids past the tokenizer's have no token)"
                   if vocab_size != tokenizer.vocab_size else '')
         raise InvalidRequestError(
             f'token ids {bad[:5]} are outside the vocabulary [0, {limit}){beyond}; send ids '

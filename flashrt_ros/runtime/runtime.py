@@ -283,7 +283,7 @@ class Runtime:
 
     @property
     def conversation(self) -> tuple:
-        """The conversation the live state holds: ((role, content), ...); () outside one."""
+        """Return the conversation the live state holds: ((role, content), ...); () outside one."""
         return self.cursor.messages
 
     def _segment(self, prompt: str | Sequence[int], raw: bool, role: str,
@@ -489,7 +489,7 @@ class Runtime:
             self._check_open()
             if self.cursor.turn_open:
                 raise BusyError('a conversation turn is being generated; a capsule holds whole '
-                                'turns: snapshot after it ends (a goal\'s save_as does)')
+                                "turns: snapshot after it ends (a goal's save_as does)")
             cap = self.codec.capture(name, tier, pinned=bool(pinned))
             if self._cuda:
                 torch.cuda.synchronize(self.device)  # the info's latency covers the copy

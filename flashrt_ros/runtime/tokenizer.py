@@ -63,7 +63,7 @@ class HFTokenizer:
         return list(self._tok.encode(text, add_special_tokens=False))
 
     def encode_first(self, text: str) -> list[int]:
-        """Encode the context's first segment: with the leading specials (BOS) the model expects."""
+        """Encode the context's first segment, with the leading specials (BOS) it expects."""
         plain = self.encode(text)
         full = list(self._tok.encode(text, add_special_tokens=True))
         # Only what goes before the text: a trailing EOS some tokenizers add is no prefix.

@@ -57,7 +57,7 @@ class Session:
         info = None
         if not self.home_ready:
             rt.reset()
-            progress(f'home prefill (the {self.mode.name} mode\'s context), then the '
+            progress(f"home prefill (the {self.mode.name} mode's context), then the "
                      f'{home!r} snapshot')
             self.mode.prepare_home(system_prompt)
             info = rt.snapshot(home, 'device', pinned=True)

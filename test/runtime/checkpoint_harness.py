@@ -1,9 +1,9 @@
 """A local checkpoint folder built in the test: tokenizers-made tokenizer, chat template, bf16."""
 
 import json
+import pydoc_data.topics
 
 from flashrt_ros.runtime.models.builtin import build_builtin
-import pydoc_data.topics
 import torch
 
 SPECIALS = ('<|endoftext|>', '<|im_start|>', '<|im_end|>', '<|startoftext|>')
@@ -23,11 +23,11 @@ LFM2_TEMPLATE = (
 # so rendering a longer conversation changes the earlier text (not prefix-stable).
 THINKING_TEMPLATE = (
     "{%- set last = namespace(i=-1) %}{%- for m in messages %}{%- if m['role'] == 'user' %}"
-    "{%- set last.i = loop.index0 %}{%- endif %}{%- endfor %}"
+    '{%- set last.i = loop.index0 %}{%- endif %}{%- endfor %}'
     "{%- for m in messages %}{%- if m['role'] == 'assistant' and loop.index0 > last.i %}"
     "{{- '<|im_start|>assistant\\n<think></think>' + m['content'] + '<|im_end|>\\n' }}"
     "{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-    "{%- endif %}{%- endfor %}"
+    '{%- endif %}{%- endfor %}'
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 # Every turn changes the text before it: refused.
 UNSTABLE_TEMPLATE = (

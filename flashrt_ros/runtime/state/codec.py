@@ -2,12 +2,12 @@
 The codec between the live state and capsules: capture, check and apply.
 
 Live state = the arena bytes + the non-tensor state a capsule keeps as JSON: the cursor
-(position, pending token, the conversation's messages: runtime/chat.py), the adapter's meta (layer flags, counters) and the sampler's
-state (hex in the JSON; host bytes for CPU and CUDA generators alike, so neither a
-snapshot nor a restore needs a device sync for it). capture copies the live state into a
-new capsule; check refuses one that does not fit this runtime (fingerprint, manifest,
-sizes, metadata) before anything is written; apply writes a checked one in and cannot fail
-half-way.
+(position, pending token, the conversation's messages: runtime/chat.py), the adapter's
+meta (layer flags, counters) and the sampler's state (hex in the JSON; host bytes for CPU
+and CUDA generators alike, so neither a snapshot nor a restore needs a device sync for
+it). capture copies the live state into a new capsule; check refuses one that does not fit
+this runtime (fingerprint, manifest, sizes, metadata) before anything is written; apply
+writes a checked one in and cannot fail half-way.
 """
 
 from __future__ import annotations
