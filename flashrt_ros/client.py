@@ -372,11 +372,15 @@ class FlashRTClient:
 
     # ---- generation --------------------------------------------------------------------
 
-    def start_generate(self, prompt='', *, token_ids=(), max_new_tokens=0, temperature=0.0,
-                       top_k=0, top_p=1.0, seed=-1, stop=(), start_from='', save_as='',
-                       save_tier='', feedback_callback=None, timeout=None):
+    def start_generate(self, prompt='', *, token_ids=(), raw=False, max_new_tokens=0,
+                       temperature=-1.0, top_k=-1, top_p=-1.0, seed=-1, stop=(),
+                       start_from='', save_as='', save_tier='', feedback_callback=None,
+                       timeout=None):
         """
         Send a ~/generate goal and return a GoalRun once the node accepted or rejected it.
+
+        Fields as in Generate.action: raw=True appends the prompt without the chat template;
+        a negative temperature, top_k or top_p is the checkpoint's default.
 
         feedback_callback(TokenChunk) runs for every chunk, in order, on the client's feedback
         thread (it may call any method, start_generate included); the last one has final=True
@@ -387,7 +391,7 @@ class FlashRTClient:
         if not self._generate.wait_for_server(timeout_sec=timeout):
             raise TimeoutError(f'action {self.base}/generate is not available after '
                                f'{timeout:.1f} s; is the node running?')
-        goal = Generate.Goal(prompt=prompt, token_ids=list(token_ids),
+        goal = Generate.Goal(prompt=prompt, token_ids=list(token_ids), raw=bool(raw),
                              max_new_tokens=max_new_tokens, temperature=temperature,
                              top_k=top_k, top_p=top_p, seed=seed, stop=list(stop),
                              start_from=start_from, save_as=save_as, save_tier=save_tier)

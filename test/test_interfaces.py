@@ -42,7 +42,11 @@ def test_message_constants_and_defaults():
     from flashrt_ros.msg import AudioChunk
     assert (AudioChunk.FORMAT_INT16, AudioChunk.FORMAT_FLOAT32) == ('int16', 'float32')
     goal = Generate.Goal()
-    assert goal.seed == -1 and goal.top_p == pytest.approx(1.0)
+    assert goal.seed == -1 and goal.raw is False
+    # Sampling fields left unset mean the checkpoint's own defaults (generation_config.json).
+    assert (goal.temperature, goal.top_k, goal.top_p) == (-1.0, -1, -1.0)
+    info = CapsuleInfo()
+    assert (info.roles, info.turns) == ([], 0)
 
 
 @pytest.mark.parametrize('type_name', SERVICE_TYPES)

@@ -22,6 +22,7 @@ IMPORT_TO_KEY = {
     'catkin_pkg': 'python3-catkin-pkg',
 }
 LOCAL = {'flashrt_ros', 'conftest', 'node_harness', 'session_harness', 'runtime_harness',
+         'checkpoint_harness',
          'reliability_harness', 'test_preemption', 'test_soak'}  # this repository's tests
 
 

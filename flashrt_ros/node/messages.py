@@ -4,6 +4,7 @@ from builtin_interfaces.msg import Duration, Time
 from diagnostic_msgs.msg import DiagnosticStatus, KeyValue
 from flashrt_ros.action import Generate
 from flashrt_ros.msg import ActionChunk, CapsuleInfo, TokenChunk
+from flashrt_ros.runtime.chat import turn_count
 from flashrt_ros.session import TurnRequest
 import numpy as np
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
@@ -34,13 +35,14 @@ def info_msg(info, msg=None):
     if origin is not None:
         msg.origin_node, msg.origin_name = origin.node, origin.name
         msg.imported = stamp(origin.imported)
+    msg.roles, msg.turns = list(info.roles), turn_count(info.roles)
     return msg
 
 
 def turn_request(goal):
     """Convert a Generate goal to a TurnRequest."""
     return TurnRequest(
-        prompt=goal.prompt, token_ids=tuple(goal.token_ids),
+        prompt=goal.prompt, token_ids=tuple(goal.token_ids), raw=bool(goal.raw),
         max_new_tokens=int(goal.max_new_tokens), temperature=float(goal.temperature),
         top_k=int(goal.top_k), top_p=float(goal.top_p), seed=int(goal.seed),
         stop=tuple(goal.stop), start_from=goal.start_from, save_as=goal.save_as,
@@ -138,12 +140,20 @@ def joint_trajectory(rows, names, dt, field, now):
     return trajectory
 
 
-def diagnostic_status(name, state_label, session):
-    """Build the node's DiagnosticStatus: lifecycle state, and the runtime's stats if any."""
+def diagnostic_status(name, state_label, session, stage=''):
+    """
+    Build the node's DiagnosticStatus: lifecycle state, and the runtime's stats if any.
+
+    stage: what a configure or activate in progress is doing (loading, binding, warm-up,
+    home prefill); '' when none runs.
+    """
     status = DiagnosticStatus(name=name)
     values = {'lifecycle_state': state_label}
+    if stage:
+        values['stage'] = stage
     if session is None:
-        status.level, status.message = DiagnosticStatus.WARN, 'unconfigured'
+        status.level = DiagnosticStatus.WARN
+        status.message = f'configuring: {stage}' if stage else 'unconfigured'
     else:
         try:
             stats = session.runtime.stats()
@@ -153,6 +163,7 @@ def diagnostic_status(name, state_label, session):
         if stats is not None:
             status.hardware_id = str(stats.device)
             values.update(model=stats.model, dtype=stats.dtype, state_bytes=stats.state_nbytes,
+                          turns=turn_count(role for role, _ in session.runtime.conversation),
                           position=stats.position, generating=session.turns.running is not None)
             for tier, t in stats.tiers.items():
                 values[f'{tier}_capsules'] = t.count
@@ -171,6 +182,7 @@ def diagnostic_status(name, state_label, session):
             if state_label == 'active':
                 status.level, status.message = DiagnosticStatus.OK, 'active'
             else:
-                status.level, status.message = DiagnosticStatus.WARN, state_label
+                status.level = DiagnosticStatus.WARN
+                status.message = f'{state_label}: {stage}' if stage else state_label
     status.values = [KeyValue(key=k, value=str(v)) for k, v in values.items()]
     return status

@@ -77,6 +77,7 @@ class FlashRTNode(LifecycleNode):
         self._goal_turns = None             # the last session's scheduler: goals it ended
         self.outputs = RosOutputs(self)     # what the session publishes through
         self._control_timer = None
+        self._stage = ''                    # what a configure/activate in progress is doing
         self.tune_switch_interval = False   # main() sets it (session/turns.py says why)
 
         self._state_group = MutuallyExclusiveCallbackGroup()
@@ -189,18 +190,21 @@ class FlashRTNode(LifecycleNode):
                     raise FlashRTError(problem)
             config = parameters.runtime_config(self, self.get_fully_qualified_name())
             t0 = time.perf_counter()
-            runtime = Runtime(config)
+            runtime = Runtime(config, progress=self._progress)
             session = Session(runtime, self._param('mode'), self._param, self.outputs)
         except Exception as exc:  # FlashRTError, or an import/OS error loading the model
+            self._stage = ''
             self.get_logger().error(f'configure failed: {exc}; fix the parameters and configure '
                                     'again (lifecycle ~/change_state), or restart the node '
                                     'with them if they are read-only')
             if runtime is not None:
                 runtime.close()
             return TransitionCallbackReturn.FAILURE
+        self._stage = ''
+        chat = 'conversation (chat template)' if runtime.chat is not None else 'raw text'
         self.get_logger().info(
-            f'configured {config.model} on {config.device} ({config.dtype}): state '
-            f'{runtime.state_nbytes} bytes {list(runtime.components)} in '
+            f'configured {config.model} on {config.device} ({runtime.stats().dtype}, {chat}): '
+            f'state {runtime.state_nbytes} bytes {list(runtime.components)} in '
             f'{time.perf_counter() - t0:.1f} s')
         period = session.mode.tick_period()
         if period is not None:
@@ -216,10 +220,12 @@ class FlashRTNode(LifecycleNode):
         session = self._session
         home = self._param('home_capsule')
         try:
-            info = session.warm_up(home, self._param('system_prompt'))
+            info = session.warm_up(home, self._param('system_prompt'), self._progress)
         except Exception as exc:
             self.get_logger().error(f'activate failed: {exc}')
             return TransitionCallbackReturn.FAILURE
+        finally:
+            self._stage = ''
         result = super().on_activate(state)  # activates the lifecycle publishers
         session.turns.set_active(True)
         if info is not None:
@@ -617,10 +623,16 @@ class FlashRTNode(LifecycleNode):
 
     # ---- diagnostics -----------------------------------------------------------------
 
+    def _progress(self, stage):
+        """Say what configure/activate is doing now: in the log and on /diagnostics at once."""
+        self._stage = stage
+        self.get_logger().info(f'{self.state_label()}: {stage}')
+        self._diagnostics_callback()  # a transition blocks the timer until it ends
+
     def _diagnostics_callback(self):
         status = messages.diagnostic_status(
             f'{self.get_fully_qualified_name()}: capsule runtime', self.state_label(),
-            self._session)
+            self._session, self._stage)
         array = DiagnosticArray(status=[status])
         array.header.stamp = self.get_clock().now().to_msg()
         self._diag_pub.publish(array)

@@ -3,7 +3,7 @@
 import dataclasses
 
 from flashrt_ros.runtime import RuntimeConfig
-from flashrt_ros.runtime.config import DTYPES, EVICTION_POLICIES
+from flashrt_ros.runtime.config import DTYPES, EVICTION_POLICIES, PROMPT_FORMATS
 from flashrt_ros.runtime.state.transfer import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
 from flashrt_ros.session import MODES, POLICY_MODES
 from flashrt_ros.session.policy import STEPPINGS
@@ -80,15 +80,18 @@ PARAMETERS = (
              'download) or a local checkpoint directory (save_pretrained folder with its '
              'tokenizer).'),
     _runtime('device', 'Device: cpu, cuda or cuda:N.', constraints='cpu | cuda | cuda:N'),
-    _runtime('dtype', 'Weight and state dtype.', choices=DTYPES),
+    _runtime('dtype', 'Weight and state dtype. auto: the dtype a local checkpoint was saved in '
+             '(torch_dtype in its config.json; float32 when it says none), float32 for the '
+             'built-in and policy models.', choices=DTYPES),
     _runtime('max_seq_len', 'KV capacity in tokens; the state arena is sized for it.',
              integer=(8, 1 << 20)),
-    _runtime('device_budget_bytes', 'Byte budget of the device capsule tier (0 = unlimited).',
-             integer=(0, _MAX_INT)),
-    _runtime('host_budget_bytes', 'Byte budget of the host-memory capsule tier (0 = unlimited).',
-             integer=(0, _MAX_INT)),
-    _runtime('disk_budget_bytes', 'Byte budget of the capsule directory (0 = unlimited).',
-             integer=(0, _MAX_INT)),
+    _runtime('device_budget_bytes', 'Byte budget of the device capsule tier (0 = unlimited). '
+             '-1 (default): sized from the state arena, 4 full-length capsules (4 x the '
+             'arena bytes at max_seq_len), at least 256 MiB.', integer=(-1, _MAX_INT)),
+    _runtime('host_budget_bytes', 'Byte budget of the host-memory capsule tier (0 = unlimited). '
+             '-1 (default): 8 x the arena bytes, at least 1 GiB.', integer=(-1, _MAX_INT)),
+    _runtime('disk_budget_bytes', 'Byte budget of the capsule directory (0 = unlimited). '
+             '-1 (default): 16 x the arena bytes, at least 4 GiB.', integer=(-1, _MAX_INT)),
     Param('capsule_dir', DEFAULT_CAPSULE_DIR,
           'Directory of the disk tier; capsules there outlive the node. {node} stands for the '
           "node's fully qualified name, so that two nodes never share one by default."),
@@ -97,9 +100,15 @@ PARAMETERS = (
     _runtime('cuda_graphs', 'Capture the decode step as a CUDA graph at activation (ignored '
              'on CPU).'),
     _runtime('rollback_depth', 'Committed boundaries kept for ~/rollback.', integer=(0, 1024)),
-    _runtime('ring_budget_bytes', 'Byte budget of the rollback ring (0 = unlimited); the oldest '
-             'boundaries are dropped to stay within it.', integer=(0, _MAX_INT)),
+    _runtime('ring_budget_bytes', 'Byte budget of the rollback ring (0 = unlimited; -1, the '
+             'default: 2 x the arena bytes, at least 256 MiB); the oldest boundaries are '
+             'dropped to stay within it.', integer=(-1, _MAX_INT)),
     _runtime('seed', 'Initial sampler seed.', integer=(0, 2 ** 31 - 1)),
+    _runtime('prompt_format', 'How text prompts (~/prompt, and goals with raw false) go in. '
+             "chat: with the tokenizer's chat template, as a conversation (system_prompt the "
+             'system message, each prompt a user turn, each reply an assistant turn closed by '
+             'the end-of-turn tokens); raw: the text as it is; auto: chat when the tokenizer '
+             'has a template, else raw.', choices=PROMPT_FORMATS),
     Param('home_capsule', 'home',
           'Name of the capsule taken at activation (system prompt prefilled); ~/reset and the '
           'restore_home policy restore it.'),
@@ -107,8 +116,9 @@ PARAMETERS = (
           '~/snapshot, ~/fork and ~/delete_capsule may not replace or delete the home capsule '
           '(set false to allow it).'),
     Param('system_prompt', 'You are a helpful robot.',
-          'Text prefilled at activation before the home capsule is taken (may be empty; '
-          'ignored in policy mode).'),
+          'Text prefilled at activation before the home capsule is taken: the system message '
+          'of the conversation with a chat template, else raw text (may be empty; ignored in '
+          'policy mode).'),
     Param('interrupt_policy', 'stop',
           'What an interrupt (or a goal cancel) does after stopping at the step boundary: stop '
           '(keep that state), rollback (one committed boundary back) or restore_home.',

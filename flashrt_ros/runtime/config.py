@@ -11,29 +11,44 @@ from typing import Any
 
 from .errors import ConfigError
 
-DTYPES = ('float32', 'bfloat16', 'float16')
+DTYPES = ('auto', 'float32', 'bfloat16', 'float16')  # auto: the checkpoint's own (models/hf.py)
+PROMPT_FORMATS = ('auto', 'chat', 'raw')  # how a text prompt goes in (runtime/chat.py)
 EVICTION_POLICIES = ('refuse', 'lru')
 TIERS = ('device', 'host', 'disk')  # capsule tiers; each has a <tier>_budget_bytes field
 KEY_FILE_ENV = 'FLASHRT_CAPSULE_KEY_FILE'  # names the capsule key file (RuntimeConfig.capsule_key)
 MIN_KEY_BYTES = 16
 _DEVICE_RE = re.compile(r'^(cpu|cuda|cuda:\d+)$')
+AUTO_BUDGET = -1  # a budget sized from the arena: see RuntimeConfig.sized_budgets
+# (full-state capsules an auto budget holds, the least it is): the old fixed defaults stay
+# the floor, so a small model's budgets are what they always were.
+_AUTO_BUDGETS = {'device': (4, 256 << 20), 'host': (8, 1 << 30), 'disk': (16, 4 << 30),
+                 'ring': (2, 256 << 20)}
 
 
 @dataclass
 class RuntimeConfig:
     model: str = 'default'  # 'default' (the trained checkpoint), builtin:<id> or a folder
     device: str = 'cpu'  # "cpu" | "cuda" | "cuda:N"
-    dtype: str = 'float32'  # "float32" | "bfloat16" | "float16"
+    # "auto" (a local checkpoint's torch_dtype from config.json; float32 for built-ins and
+    # policies) | "float32" | "bfloat16" | "float16"
+    dtype: str = 'auto'
     max_seq_len: int = 4096  # KV capacity in tokens (the arena is sized for it)
-    device_budget_bytes: int = 256 << 20  # 0 = unlimited
-    host_budget_bytes: int = 1 << 30
-    disk_budget_bytes: int = 4 << 30
+    # Capsule tier budgets in bytes: 0 = unlimited, -1 = sized from the arena (the state at
+    # max_seq_len): device 4x, host 8x, disk 16x, at least 256 MiB / 1 GiB / 4 GiB.
+    device_budget_bytes: int = AUTO_BUDGET
+    host_budget_bytes: int = AUTO_BUDGET
+    disk_budget_bytes: int = AUTO_BUDGET
     capsule_dir: str = '~/.cache/flashrt_ros/capsules'
     eviction: str = 'refuse'  # "refuse" | "lru" (lru never evicts pinned capsules)
     cuda_graphs: bool = True  # ignored on CPU
     rollback_depth: int = 8  # committed boundaries kept in the rollback ring
-    ring_budget_bytes: int = 256 << 20  # the ring's memory, oldest dropped first; 0 = unlimited
+    # The ring's memory, oldest dropped first; 0 = unlimited, -1 = 2x the arena, >= 256 MiB.
+    ring_budget_bytes: int = AUTO_BUDGET
     seed: int = 0  # initial sampler seed (and reset() seed)
+    # How text prompts go in: "chat" renders them with the tokenizer's chat template as
+    # conversation turns, "raw" appends the text as it is, "auto" is chat when the
+    # tokenizer has a template and raw otherwise.
+    prompt_format: str = 'auto'
 
     def __post_init__(self) -> None:
         self.validate()
@@ -49,6 +64,9 @@ class RuntimeConfig:
             )
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} is not valid; use one of {', '.join(DTYPES)}")
+        if self.prompt_format not in PROMPT_FORMATS:
+            raise ConfigError(f'prompt_format {self.prompt_format!r} is not valid; use one of '
+                              f"{', '.join(PROMPT_FORMATS)}")
         if self.eviction not in EVICTION_POLICIES:
             raise ConfigError(f'eviction {self.eviction!r} is not valid; use one of '
                               f"{', '.join(EVICTION_POLICIES)}")
@@ -58,15 +76,25 @@ class RuntimeConfig:
             raise ConfigError('capsule_dir must be a non-empty directory path')
         _check_int('max_seq_len', self.max_seq_len, minimum=8)
         _check_int('rollback_depth', self.rollback_depth, minimum=0)
-        _check_int('ring_budget_bytes', self.ring_budget_bytes, minimum=0)
+        _check_int('ring_budget_bytes', self.ring_budget_bytes, minimum=AUTO_BUDGET)
         _check_int('seed', self.seed, minimum=0)
         for tier in TIERS:
-            _check_int(f'{tier}_budget_bytes', getattr(self, f'{tier}_budget_bytes'), minimum=0)
+            _check_int(f'{tier}_budget_bytes', getattr(self, f'{tier}_budget_bytes'),
+                       minimum=AUTO_BUDGET)
 
     @property
     def budgets(self) -> dict[str, int]:
-        """Byte budget of each capsule tier (0 = unlimited)."""
+        """Byte budget of each capsule tier as set (0 = unlimited, -1 = from the arena)."""
         return {tier: getattr(self, f'{tier}_budget_bytes') for tier in TIERS}
+
+    def sized_budgets(self, arena_bytes: int) -> dict[str, int]:
+        """Return the budget of each tier and of the ring ('ring'), -1 sized from the arena."""
+        budgets = dict(self.budgets, ring=self.ring_budget_bytes)
+        for name, value in budgets.items():
+            if value == AUTO_BUDGET:
+                capsules, floor = _AUTO_BUDGETS[name]
+                budgets[name] = max(floor, capsules * arena_bytes)
+        return budgets
 
     @property
     def capsule_path(self) -> Path:

@@ -71,8 +71,7 @@ class Engine:
     def __init__(self, adapter: CausalLMAdapter, logits: torch.Tensor, cuda_graphs: bool):
         self.adapter = adapter
         self.logits = logits  # [V] fp32 arena view: the output of every step
-        # What greedy decoding reads one logit from: on CPU a numpy view (no tensor built)
-        self._logit_of = logits.numpy() if logits.device.type == 'cpu' else logits
+        self.limit_vocab(logits.shape[0])
         self.device = logits.device
         self.token = torch.zeros(
             (1, 1), dtype=torch.long, device=self.device
@@ -181,19 +180,26 @@ class Engine:
     def drop_graph(self) -> None:
         self.graph = None
 
+    def limit_vocab(self, n: int) -> None:
+        """Sample from the first n logits only: the model's rows past the tokenizer's ids."""
+        self._sampled = self.logits[:n]  # [n] view: a restore's copy shows through
+        # What greedy decoding reads one logit from: on CPU a numpy view (no tensor built)
+        self._logit_of = (self._sampled.numpy() if self._sampled.device.type == 'cpu'
+                          else self._sampled)
+
     @torch.inference_mode()
     def sample(
         self, temperature: float, top_k: int, top_p: float, generator: torch.Generator
     ) -> int:
         """Pick the next token: argmax when temperature <= 0, else top-k/top-p sampling."""
         if temperature <= 0.0:
-            best = int(torch.argmax(self.logits))
+            best = int(torch.argmax(self._sampled))
             if math.isnan(self._logit_of[best]):  # argmax lands on a NaN when there is one
                 raise FlashRTError(
                     'the model produced NaN logits; no token was taken: check the model '
                     '(dtype, weights) and the capsule the state came from')
             return best
-        x = self.logits / temperature  # [V]
+        x = self._sampled / temperature  # [n]
         if 0 < top_k < x.shape[0]:
             kth = torch.topk(x, top_k).values[-1]
             x = x.masked_fill(x < kth, float('-inf'))

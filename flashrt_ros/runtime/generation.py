@@ -9,6 +9,10 @@ restore/rollback may end it in the middle of a step (preemption.py). An interrup
 long prompt stops the prefill at the next chunk boundary (engine.PREFILL_CHUNK): the chunks
 run are the turn's prompt, committed like a whole one (result.prompt_consumed says how many
 tokens), so the state is that of the shorter prompt and rollback counts as after any turn.
+
+A conversation turn (chat.py) differs: its prompt is prefilled whole and is no boundary of
+its own, and its end feeds the reply's last token and the template's end-of-turn tokens
+before the commit, so that every boundary holds whole turns.
 """
 
 from __future__ import annotations
@@ -75,10 +79,17 @@ class Sampling:
                    tuple(s for s in stop if s), bool(eos))
 
 
-def prompt_ids(tokenizer, vocab_size: int, prompt: str | Sequence[int]) -> list[int]:
-    """Return the prompt's token ids, or raise InvalidRequestError."""
+def prompt_ids(tokenizer, vocab_size: int, prompt: str | Sequence[int],
+               first: bool = False) -> list[int]:
+    """
+    Return the prompt's token ids, or raise InvalidRequestError.
+
+    first: the prompt starts the context, so it gets the specials (BOS) the tokenizer puts
+    before a text. vocab_size: the ids the model has rows for; ids past the tokenizer's
+    vocabulary are refused too (they have no token).
+    """
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
+        ids = tokenizer.encode_first(prompt) if first else tokenizer.encode(prompt)
     else:
         try:
             ids = [int(t) for t in prompt]
@@ -86,22 +97,36 @@ def prompt_ids(tokenizer, vocab_size: int, prompt: str | Sequence[int]) -> list[
             raise InvalidRequestError('prompt must be text or a sequence of token ids') from exc
     if not ids:
         raise InvalidRequestError('prompt is empty; pass text or at least one token id')
-    bad = [t for t in ids if not 0 <= t < vocab_size]
+    return check_vocab(tokenizer, vocab_size, ids)
+
+
+def check_vocab(tokenizer, vocab_size: int, ids: list[int]) -> list[int]:
+    """Return ids if each has a token (and a model row), else raise InvalidRequestError."""
+    limit = min(vocab_size, tokenizer.vocab_size)
+    bad = [t for t in ids if not 0 <= t < limit]
     if bad:
+        beyond = (f' (the model has {vocab_size} output rows, the tokenizer {tokenizer.vocab_size}'
+                  " tokens: ids past the tokenizer's have no token)"
+                  if vocab_size != tokenizer.vocab_size else '')
         raise InvalidRequestError(
-            f'token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})'
-        )
+            f'token ids {bad[:5]} are outside the vocabulary [0, {limit}){beyond}; send ids '
+            'the tokenizer produces')
     return ids
 
 
-def check_fits(rt, ids: list[int]) -> None:
-    """Raise InvalidRequestError when ids (after the pending token) overflow max_seq_len."""
+def check_fits(rt, ids: list[int], reserve: int = 0) -> None:
+    """
+    Raise InvalidRequestError when ids (after the pending token) overflow max_seq_len.
+
+    reserve: positions the turn needs after its prompt (a conversation turn's end-of-turn).
+    """
     cursor = rt.cursor
-    n = len(ids) + (cursor.pending is not None)
+    n = len(ids) + (cursor.pending is not None) + reserve
     if cursor.position + n > rt.config.max_seq_len:
         raise InvalidRequestError(
             f'prompt of {len(ids)} tokens does not fit: position {cursor.position}'
-            f"{' + 1 pending token' if cursor.pending is not None else ''}, max_seq_len "
+            f"{' + 1 pending token' if cursor.pending is not None else ''}"
+            f"{f' + {reserve} for the end of the turn' if reserve else ''}, max_seq_len "
             f'{rt.config.max_seq_len}; reset(), roll back or raise max_seq_len'
         )
 
@@ -139,10 +164,18 @@ def _feed(rt, token: int) -> None:
 class Generation:
     """Streaming iterator over TokenEvents; `.result` is set when it finishes (else None)."""
 
-    def __init__(self, runtime, prompt_ids: list[int] | None, sampling: Sampling):
+    def __init__(self, runtime, prompt_ids: list[int] | None, sampling: Sampling,
+                 plan=None):
+        """plan: the conversation's chat.TurnPlan (None outside a conversation)."""
         self._rt = runtime
         self.prompt_ids = prompt_ids
         self.sampling = sampling
+        self.plan = plan
+        self.closes_turn = plan is not None and plan.closing is not None
+        # Positions kept free for the end of the turn: the reply's last token + end-of-turn.
+        self.reserve = 1 + len(plan.closing) if self.closes_turn else 0
+        self.stop_ids = frozenset(runtime.tokenizer.eos_token_ids) | (
+            plan.end_ids if plan is not None else frozenset())
         self.result: GenerationResult | None = None
         self.token_ids: list[int] = []
         self.started = False
@@ -192,23 +225,28 @@ class Generation:
         if not self.started:
             self.started, self.t_start = True, time.perf_counter()
             if self.prompt_ids is not None:
+                # A conversation turn's prompt is not cut by an interrupt: half a turn is
+                # no boundary.
+                stop = None if self.closes_turn else rt._interrupt.is_set
                 try:
                     with abortable_forward(rt):
-                        self.prompt_consumed = prefill_ids(rt, self.prompt_ids,
-                                                           rt._interrupt.is_set)
+                        self.prompt_consumed = prefill_ids(rt, self.prompt_ids, stop)
                 except FlashRTError:
                     self._release()
                     raise
+            if self.plan is not None:
+                cursor.messages, cursor.turn_open = self.plan.messages, self.closes_turn
             # Seeded after the prompt, which samples nothing: a refused one changes nothing.
             if s.seed is not None:
                 rt.generator.manual_seed(s.seed)
-            if self.prompt_ids is not None:
+            if self.prompt_ids is not None and not self.closes_turn:
                 rt._commit()  # end of prefill is a committed boundary
         if rt._interrupt.is_set():
             self.finish('interrupted')
         elif len(self.token_ids) >= s.max_new_tokens:
             self.finish('max_tokens')
-        elif cursor.pending is not None and cursor.position >= rt.config.max_seq_len:
+        elif (cursor.pending is not None
+              and cursor.position + self.reserve >= rt.config.max_seq_len):
             self.finish('max_seq_len')
         if self.result is not None:
             raise StopIteration
@@ -222,7 +260,7 @@ class Generation:
         now = time.perf_counter()
         if not self.token_ids:
             self.t_first = now
-        if s.eos and token in rt.tokenizer.eos_token_ids:
+        if s.eos and token in self.stop_ids:
             self.finish('eos')
             raise StopIteration
         self.token_ids.append(token)
@@ -283,6 +321,23 @@ class Generation:
             )
             if tps > 0:
                 rt._decode_tps = tps
-            if commit and self.started and rt._turn is self and not rt._closed:
-                rt._commit()  # end of turn is a committed boundary
-            self._release()
+            try:
+                if commit and self.started and rt._turn is self and not rt._closed:
+                    if self.closes_turn:
+                        self._close_turn(reason)
+                    rt._commit()  # end of turn is a committed boundary
+            finally:
+                self._release()
+
+    def _close_turn(self, reason: str) -> None:
+        """Feed the reply's last token and the end-of-turn tokens; record the reply."""
+        rt, cursor = self._rt, self._rt.cursor
+        ids = list(self.plan.closing)
+        if cursor.pending is not None and reason != 'eos':
+            ids.insert(0, cursor.pending)  # the reply's last token (an EOS is replaced)
+        cursor.pending = None
+        if ids:
+            prefill_ids(rt, ids)
+        reply = rt.chat.reply_text(self.token_ids)  # all of it: a stop string was fed too
+        cursor.messages = self.plan.messages + (('assistant', reply),)
+        cursor.turn_open = False

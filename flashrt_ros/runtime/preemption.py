@@ -105,10 +105,11 @@ def end_turn(gen, torn: bool) -> bool:
     End `gen` for a waiting restore/rollback (lock held); return its run()'s `from_newest`.
 
     True when the turn committed no end of its own, so a rollback counts from the newest
-    boundary: cut mid-step (torn), or claimed and never started.
+    boundary: cut mid-step (torn), claimed and never started, or a conversation turn (the
+    state is replaced anyway: its end-of-turn tokens are not fed for nothing).
     """
-    from_newest = torn or not gen.started
-    gen.finish('interrupted', commit=not torn)
+    from_newest = torn or not gen.started or gen.closes_turn
+    gen.finish('interrupted', commit=not (torn or gen.closes_turn))
     return from_newest
 
 

@@ -17,6 +17,9 @@ preempt it (restore/rollback with preempt=True: preemption.py).
 
 Policy mode (a robot policy model: policy_mode.py): act(observation) replaces prefill and
 generate; snapshot/restore/fork/rollback/kv_only are the same code for both modes.
+
+Conversations (chat.py): with a tokenizer's chat template (prompt_format auto or chat), a
+text prompt is a conversation turn and the messages are part of the live state.
 """
 
 from __future__ import annotations
@@ -27,23 +30,24 @@ import hashlib
 import math
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
+from .chat import chat_template, RAW, TurnPlan
 from .config import RuntimeConfig, TIERS
 from .engine import Engine, PolicyEngine
 from .errors import BusyError, CapsuleNotFoundError, ConfigError, FlashRTError
 from .errors import InvalidNameError, InvalidRequestError
-from .generation import check_fits, Generation, prefill_ids, prompt_ids, Sampling
+from .generation import check_fits, check_vocab, Generation, prefill_ids, prompt_ids, Sampling
 from .models.base import PolicyAdapter, PolicySpec, StateAdapter
-from .models.hf import load_adapter, resolve_model
+from .models.hf import checkpoint_dtype, GenerationDefaults, load_adapter, resolve_model
 from .models.policy import is_policy_model, load_policy
 from .models.speech import is_speech_model, KyutaiSTTAdapter, load_speech, SpeechSpec
 from .policy_mode import ActionChunk, control_step
 from .preemption import preempt_with, Preemption
 from .speech_mode import check_audio, feed_samples, read_delayed, TranscriptEvent, warm_speech
-from .state.arena import dtype_from_name, StateArena
+from .state.arena import dtype_from_name, dtype_name, StateArena
 from .state.capsule import BOUNDARY_NAME, Capsule, CapsuleInfo, Origin, validate_name
 from .state.capsule import validate_tier
 from .state.codec import Cursor, StateCodec
@@ -64,13 +68,16 @@ class Runtime:
     """Model + state arena + capsule store + engine behind one thread-safe facade."""
 
     def __init__(self, config: RuntimeConfig | dict | None = None,
-                 adapter: StateAdapter | None = None):
+                 adapter: StateAdapter | None = None,
+                 progress: Callable[[str], None] | None = None):
         """
         Load the model (or take `adapter`, e.g. your own policy module) and allocate the arena.
 
         A policy model (builtin:tiny-policy or a directory with policy.json) puts the
-        runtime in policy mode: act() instead of prefill()/generate().
+        runtime in policy mode: act() instead of prefill()/generate(). progress(stage) is
+        called as loading goes on (for a log or a status display).
         """
+        progress = progress or (lambda stage: None)
         if config is None:
             config = RuntimeConfig()
         elif isinstance(config, dict):
@@ -86,7 +93,10 @@ class Runtime:
             # With the index, tensors' devices compare equal to it (e.g. a device capsule's).
             self.device = torch.device('cuda', torch.cuda.current_device())
         self._cuda = self.device.type == 'cuda'
-        self.dtype = dtype_from_name(config.dtype)
+        model = resolve_model(config.model)
+        policy = is_policy_model(model)
+        self.dtype = dtype_from_name(config.dtype if config.dtype != 'auto' else (
+            'float32' if policy or adapter is not None else checkpoint_dtype(model)))
         self._lock = threading.RLock()  # the step lock
         self._interrupt = threading.Event()
         self._turn: Generation | None = None  # the turn holding the writer slot
@@ -96,8 +106,8 @@ class Runtime:
         self._abortable_thread = 0  # ident of the thread whose forward may be abandoned now, or 0
 
         if adapter is None:
-            model = resolve_model(config.model)
-            load = (load_policy if is_policy_model(model) else
+            progress(f'loading {config.model} ({dtype_name(self.dtype)}) on {self.device}')
+            load = (load_policy if policy else
                     load_speech if is_speech_model(model) else load_adapter)
             adapter = load(config.model, self.device, self.dtype, config.max_seq_len)
         adapter.check_device(self.device)  # a user's module may still be elsewhere
@@ -105,11 +115,16 @@ class Runtime:
         self.is_policy = isinstance(adapter, PolicyAdapter)
         self.is_speech = isinstance(adapter, KyutaiSTTAdapter)
         self.tokenizer = getattr(adapter, 'tokenizer', None)
+        # The conversation renderer (None: raw text; policy mode); ConfigError if asked for
+        # and the tokenizer has no usable template.
+        self.chat = (None if self.is_policy or self.is_speech
+                     else chat_template(self.tokenizer, config.prompt_format))
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         specs = adapter.state_specs() + (
             PolicyEngine.state_specs(adapter.spec) if self.is_policy
             else Engine.state_specs(adapter.vocab_size, config.max_seq_len))
+        progress(f'binding the state to the arena ({len(specs)} tensors)')
         self.arena = StateArena(specs, self.device, max_position=config.max_seq_len)
         # Capsule blobs on a CPU runtime reuse dropped ones' memory (no page faults).
         self._pool = BlobPool(2 * self.arena.nbytes) if self.device.type == 'cpu' else None
@@ -119,7 +134,10 @@ class Runtime:
         else:
             self.engine = Engine(adapter, self.arena.views['logits'],
                                  config.cuda_graphs and not self.is_speech)  # speech: eager
-        self.ring = RollbackRing(config.rollback_depth, config.ring_budget_bytes)
+            if not self.is_speech:  # never sample an id the tokenizer has no token for
+                self.engine.limit_vocab(min(adapter.vocab_size, self.tokenizer.vocab_size))
+        budgets = config.sized_budgets(self.arena.nbytes)
+        self.ring = RollbackRing(config.rollback_depth, budgets.pop('ring'))
         self.cursor = Cursor()
         self.codec = StateCodec(
             self.arena, adapter, self.generator, self.cursor,
@@ -128,7 +146,7 @@ class Runtime:
             before_alloc=self.ring.retired.clear,
             vocab_size=None if self.is_policy else adapter.vocab_size)
         self.fingerprint = self.codec.fingerprint
-        self.store = CapsuleStore(self.device, config.budgets, config.eviction,
+        self.store = CapsuleStore(self.device, budgets, config.eviction,
                                   config.capsule_path, self.fingerprint, config.capsule_key())
         self.exports = Exports(self.store.key)  # capsules served to other runtimes
         self._restore_times: collections.deque[float] = collections.deque(maxlen=1000)
@@ -245,6 +263,7 @@ class Runtime:
             self.generator.manual_seed(self.config.seed)
             cursor = self.cursor
             cursor.position, cursor.pending, cursor.extent = 0, None, 0
+            cursor.messages, cursor.turn_open = (), False
             self._commit()
 
     def close(self) -> None:
@@ -267,40 +286,88 @@ class Runtime:
 
     # ---- prefill / generate -----------------------------------------------------------
 
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        self._require_mode(policy=False)
-        return prompt_ids(self.tokenizer, self.adapter.vocab_size, prompt)
+    @property
+    def conversation(self) -> tuple:
+        """Return the conversation the live state holds: ((role, content), ...); () outside one."""
+        return self.cursor.messages
 
-    def prefill(self, prompt: str | Sequence[int]) -> int:
-        """Consume a prompt into the state; returns the new position (a committed boundary)."""
+    def _segment(self, prompt: str | Sequence[int], raw: bool, role: str,
+                 reply: bool) -> tuple[list[int], TurnPlan | None]:
+        """
+        Return a prompt's ids and what it adds to the conversation (lock held).
+
+        Text is a `role` message rendered by the chat template, unless raw or the runtime
+        has none; token ids are always raw. A raw segment in a conversation is recorded by
+        its role only ('raw'); outside one, nothing is recorded.
+        """
+        cursor = self.cursor
+        if self.chat is not None and not raw and isinstance(prompt, str):
+            ids, plan = self.chat.plan(cursor.messages, role, prompt, reply)
+            return check_vocab(self.tokenizer, self.adapter.vocab_size, ids), plan
+        first = cursor.position == 0 and cursor.pending is None
+        ids = prompt_ids(self.tokenizer, self.adapter.vocab_size, prompt, first)
+        return ids, (TurnPlan(cursor.messages + (RAW,)) if self.chat is not None else None)
+
+    def prefill(self, prompt: str | Sequence[int], raw: bool = False,
+                role: str = 'system') -> int:
+        """
+        Consume a prompt into the state; returns the new position (a committed boundary).
+
+        With a chat template the text is a `role` message (the system prompt, by default)
+        unless raw=True; token ids are always fed as they are.
+        """
+        self._require_mode(policy=False)
         with self._lock:
             self._check_idle()
-            prefill_ids(self, self._prompt_ids(prompt))
+            ids, plan = self._segment(prompt, raw, role, reply=False)
+            prefill_ids(self, ids)
+            if plan is not None:
+                self.cursor.messages = plan.messages
             self._commit()
             return self.cursor.position
 
     def generate(self, prompt: str | Sequence[int] | None = None, max_new_tokens: int = 64,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 seed: int | None = None, stop: Sequence[str] = ('\n\n',),
-                 eos: bool = True) -> Generation:
-        """Start a streaming turn (iterate it for TokenEvents); claims the writer slot now."""
+                 temperature: float | None = 0.0, top_k: int | None = 0,
+                 top_p: float | None = 1.0, seed: int | None = None,
+                 stop: Sequence[str] = ('\n\n',), eos: bool = True,
+                 raw: bool = False) -> Generation:
+        """
+        Start a streaming turn (iterate it for TokenEvents); claims the writer slot now.
+
+        With a chat template, text is a user turn and the reply an assistant turn closed by
+        the template's end-of-turn tokens; raw=True (or token ids) appends the prompt as it
+        is. temperature/top_k/top_p None: the checkpoint's default (generation_config.json;
+        greedy when it has none).
+        """
+        self._require_mode(policy=False)
+        defaults = getattr(self.adapter, 'generation', None) or GenerationDefaults()
+        temperature = defaults.temperature if temperature is None else temperature
+        top_k = defaults.top_k if top_k is None else top_k
+        top_p = defaults.top_p if top_p is None else top_p
         if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
                 and (temperature == 0 or temperature >= MIN_TEMPERATURE)):
             raise InvalidRequestError(
                 f'temperature {temperature!r} is not valid: use 0 (greedy) or a finite '
                 f'number >= {MIN_TEMPERATURE:g}')
         sampling = Sampling.checked(max_new_tokens, temperature, top_k, top_p, seed, stop, eos)
-        self._require_mode(policy=False)
         with self._lock:
             self._check_idle()
-            ids = None if prompt is None else self._prompt_ids(prompt)
-            if ids is not None:
-                check_fits(self, ids)  # refused now, not reported as a turn that ended
+            ids, plan = None, None
+            if prompt is not None:
+                ids, plan = self._segment(prompt, raw, 'user', reply=True)
+            elif self.chat is not None and not raw:
+                raise InvalidRequestError(
+                    'a conversation turn needs a user message: pass a prompt, or raw=True to '
+                    'continue the context as it is')
+            elif self.chat is not None:
+                plan = TurnPlan(self.cursor.messages + (RAW,))
+            if ids is not None:  # refused now, not reported as a turn that ended
+                check_fits(self, ids, 1 + len(plan.closing) if plan and plan.closing else 0)
             if ids is None and self.cursor.position == 0 and self.cursor.pending is None:
                 raise InvalidRequestError(
                     'nothing to continue from: the state is empty; pass a prompt'
                 )
-            gen = Generation(self, ids, sampling)
+            gen = Generation(self, ids, sampling, plan)
             self._interrupt.clear()
             self._turn = gen
             return gen
@@ -425,6 +492,9 @@ class Runtime:
         t0 = self._clock()
         with self._lock:
             self._check_open()
+            if self.cursor.turn_open:
+                raise BusyError('a conversation turn is being generated; a capsule holds whole '
+                                "turns: snapshot after it ends (a goal's save_as does)")
             cap = self.codec.capture(name, tier, pinned=bool(pinned))
             if self._cuda:
                 torch.cuda.synchronize(self.device)  # the info's latency covers the copy
@@ -645,7 +715,7 @@ class Runtime:
             model=self.config.model,
             family='' if closed else self.adapter.family,
             device=str(self.device),
-            dtype=self.config.dtype,
+            dtype=dtype_name(self.dtype),
             state_nbytes=0 if closed else self.state_nbytes,
             position=self.cursor.position,
             tiers={t: TierStats(*usage[t], self.store.budgets[t]) for t in TIERS},

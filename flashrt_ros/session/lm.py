@@ -7,6 +7,11 @@ from .modes import Mode
 BUSY_MESSAGE = 'a generation is running; cancel it or publish ~/interrupt'
 
 
+def _or_default(kind, value):
+    """Return value as `kind`, or None (the checkpoint's default) when it is negative."""
+    return None if value < 0 else kind(value)
+
+
 class LMMode(Mode):
     """A causal language model: ~/generate goals and ~/prompt messages run as turns."""
 
@@ -31,10 +36,11 @@ class LMMode(Mode):
             gen = rt.generate(
                 prompt=list(request.token_ids) if request.token_ids else (request.prompt or None),
                 max_new_tokens=int(request.max_new_tokens or self._param('max_new_tokens')),
-                temperature=float(request.temperature), top_k=int(request.top_k),
-                top_p=float(request.top_p),
+                temperature=_or_default(float, request.temperature),
+                top_k=_or_default(int, request.top_k), top_p=_or_default(float, request.top_p),
                 seed=None if request.seed < 0 else int(request.seed),
-                stop=tuple(request.stop) or tuple(self._param('stop_strings')))
+                stop=tuple(request.stop) or tuple(self._param('stop_strings')),
+                raw=bool(request.raw))
         except FlashRTError as exc:
             turn.fail(BUSY_MESSAGE if isinstance(exc, BusyError) else str(exc), rt.position)
             return None

@@ -40,20 +40,25 @@ class Session:
     def active(self):
         return self.turns.active
 
-    def warm_up(self, home, system_prompt):
+    def warm_up(self, home, system_prompt, progress=None):
         """
         Warm up and, the first time, take the home capsule; return its info (or None).
 
         The session is not active yet: turns.set_active(True) admits requests.
 
         The home capsule is the reset state with what the mode puts before every episode
-        (a language model's system prompt), pinned in the device tier.
+        (a language model's system prompt), pinned in the device tier. progress(stage) is
+        told each stage (warm-up, home prefill).
         """
+        progress = progress or (lambda stage: None)
         rt = self.runtime
+        progress('warm-up (throwaway steps; CUDA graph capture on CUDA)')
         rt.warmup()
         info = None
         if not self.home_ready:
             rt.reset()
+            progress(f"home prefill (the {self.mode.name} mode's context), then the "
+                     f'{home!r} snapshot')
             self.mode.prepare_home(system_prompt)
             info = rt.snapshot(home, 'device', pinned=True)
             self.home_ready = True

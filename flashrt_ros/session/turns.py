@@ -64,10 +64,11 @@ class TurnRequest:
 
     prompt: str = ''
     token_ids: tuple = ()          # used instead of prompt when non-empty
+    raw: bool = False              # prompt appended as it is (no chat template)
     max_new_tokens: int = 0        # 0: the max_new_tokens parameter
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    temperature: float = -1.0      # negative (here and below): the checkpoint's default
+    top_k: int = -1
+    top_p: float = -1.0
     seed: int = -1                 # -1 keeps the live sampler state
     stop: tuple = ()               # empty: the stop_strings parameter
     start_from: str = ''

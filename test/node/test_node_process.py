@@ -65,7 +65,7 @@ def test_lifecycle_transitions(client_b, node_b):
     assert client_b.snapshot('b_capsule').success
 
     # deactivate stops a running generation at its next step
-    run = client_b.start_generate('A long one.', max_new_tokens=400)
+    run = client_b.start_generate('Describe the room.', max_new_tokens=400)  # no EOS in 400
     assert run.accepted
     time.sleep(0.3)
     assert client_b.change_state('deactivate', timeout=30.0)

@@ -7,8 +7,17 @@ import pytest
 def test_defaults_match_the_contract():
     cfg = RuntimeConfig()
     assert cfg.model == 'default'
-    assert (cfg.device, cfg.dtype, cfg.eviction) == ('cpu', 'float32', 'refuse')
+    assert (cfg.device, cfg.dtype, cfg.eviction) == ('cpu', 'auto', 'refuse')
     assert cfg.max_seq_len == 4096 and cfg.rollback_depth == 8
+    assert cfg.prompt_format == 'auto' and cfg.device_budget_bytes == -1
+
+
+def test_auto_budgets_are_sized_from_the_arena():
+    cfg = RuntimeConfig(host_budget_bytes=0, disk_budget_bytes=123)
+    small = cfg.sized_budgets(1 << 20)  # a small arena: the fixed floors
+    assert small == {'device': 256 << 20, 'host': 0, 'disk': 123, 'ring': 256 << 20}
+    big = cfg.sized_budgets(1 << 30)  # a 1 GiB arena: 4 (device) and 2 (ring) full states
+    assert (big['device'], big['ring'], big['host']) == (4 << 30, 2 << 30, 0)
 
 
 def test_from_dict_and_yaml(tmp_path):
@@ -30,7 +39,9 @@ def test_from_dict_and_yaml(tmp_path):
         ({'dtype': 'float8'}, 'dtype'),
         ({'max_seq_len': 0}, 'max_seq_len'),
         ({'max_seq_len': 1.5}, 'max_seq_len'),
-        ({'device_budget_bytes': -1}, 'device_budget_bytes'),
+        ({'device_budget_bytes': -2}, 'device_budget_bytes'),
+        ({'ring_budget_bytes': -2}, 'ring_budget_bytes'),
+        ({'prompt_format': 'jinja'}, 'prompt_format'),
         ({'host_budget_bytes': True}, 'host_budget_bytes'),
         ({'eviction': 'fifo'}, 'eviction'),
         ({'cuda_graphs': 'yes'}, 'cuda_graphs'),

@@ -2,11 +2,15 @@
 transformers causal LMs whose StaticCache tensors are views into the StateArena.
 
 The state binding itself is models/binding.CacheBinding; this module loads a checkpoint
-(or builds a built-in model), wraps it as a CausalLMAdapter and fingerprints it.
+(or builds a built-in model), wraps it as a CausalLMAdapter and fingerprints it, and reads
+the checkpoint's own settings: its dtype (config.json) and its generation_config.json (EOS
+ids, sampling defaults).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+import json
 from pathlib import Path
 
 import torch
@@ -41,11 +45,67 @@ _VOLATILE_CONFIG_KEYS = {
 }
 
 
+_SAVED_DTYPES = ('float32', 'bfloat16', 'float16')
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """A checkpoint's generation_config.json: what a turn uses when the caller says nothing."""
+
+    eos_ids: tuple[int, ...] = ()
+    temperature: float = 0.0  # 0: greedy (the checkpoint does not sample: do_sample false)
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+
+
+def _json_file(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # missing or unreadable: the load itself says what is wrong with the folder
+    return data if isinstance(data, dict) else {}
+
+
+def _id_list(value) -> tuple[int, ...]:
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return () if value is None else (int(value),)
+
+
+def checkpoint_dtype(model_id: str) -> str:
+    """Return the dtype a checkpoint was saved in (float32 for built-ins or when unsaid)."""
+    if model_id.startswith('builtin:'):
+        return 'float32'
+    config = _json_file(Path(model_id).expanduser() / 'config.json')
+    text = config.get('text_config') if isinstance(config.get('text_config'), dict) else {}
+    name = config.get('dtype') or config.get('torch_dtype') or text.get('dtype') or text.get(
+        'torch_dtype')
+    name = str(name).removeprefix('torch.')
+    return name if name in _SAVED_DTYPES else 'float32'
+
+
+def generation_defaults(path: Path) -> GenerationDefaults:
+    """Read generation_config.json (transformers' defaults where a sampling value is unsaid)."""
+    config = _json_file(path / 'generation_config.json')
+    try:
+        eos = _id_list(config.get('eos_token_id'))
+        if not config.get('do_sample'):
+            return GenerationDefaults(eos)
+        return GenerationDefaults(eos, float(config.get('temperature', 1.0)),
+                                  int(config.get('top_k', 50) or 0),
+                                  float(config.get('top_p', 1.0)))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f'{str(path / "generation_config.json")!r} has a bad value ({exc}); '
+                          'fix or delete it') from exc
+
+
 class HFCausalLMAdapter(BindingDelegate, CausalLMAdapter):
     """A transformers causal LM running over a StaticCache bound to arena views."""
 
-    def __init__(self, model, tokenizer, max_seq_len: int, model_id: str):
+    def __init__(self, model, tokenizer, max_seq_len: int, model_id: str,
+                 generation: GenerationDefaults = GenerationDefaults()):
         self.model = model.eval()
+        self.generation = generation
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.model_id = model_id
@@ -104,10 +164,11 @@ def load_adapter(
         from .builtin import build_builtin
 
         model = build_builtin(model_id.split(':', 1)[1], dtype)
-        tokenizer = ByteTokenizer()
+        tokenizer, generation = ByteTokenizer(), GenerationDefaults()
     else:
-        model, tokenizer = _load_local(Path(resolve_model(model_id)).expanduser(), dtype)
-    return HFCausalLMAdapter(model.to(device), tokenizer, max_seq_len, model_id)
+        path = Path(resolve_model(model_id)).expanduser()
+        model, tokenizer, generation = _load_local(path, dtype)
+    return HFCausalLMAdapter(model.to(device), tokenizer, max_seq_len, model_id, generation)
 
 
 def resolve_model(model_id: str) -> str:
@@ -126,12 +187,11 @@ def _load_local(path: Path, dtype: torch.dtype):
         model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype)
     except Exception as exc:  # transformers raises many types for a bad checkpoint
         raise ConfigError(f'cannot load a causal LM from {str(path)!r}: {exc}') from exc
-    eos = model.config.get_text_config(decoder=True).eos_token_id
-    eos_ids = (
-        tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-    )
+    generation = generation_defaults(path)
+    eos_ids = _id_list(model.config.get_text_config(decoder=True).eos_token_id) + (
+        generation.eos_ids)
     if ByteTokenizer.saved_in(path):
-        return model, ByteTokenizer()
+        return model, ByteTokenizer(), generation
     try:
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:
@@ -139,7 +199,7 @@ def _load_local(path: Path, dtype: torch.dtype):
             f'checkpoint {str(path)!r} has no usable tokenizer ({exc}); '
             'save one with tokenizer.save_pretrained() next to the weights'
         ) from exc
-    return model, HFTokenizer(tok, eos_ids)
+    return model, HFTokenizer(tok, eos_ids), generation
 
 
 def save_builtin(model_id: str, directory: str | Path, dtype: torch.dtype = torch.float32) -> Path:

@@ -10,6 +10,7 @@ another tier, fork it under a new name.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 import re
 import time
@@ -86,6 +87,9 @@ class CapsuleInfo(NamedTuple):
     pinned: bool = False
     latency_s: float = 0.0
     origin: Origin | None = None  # set for a capsule imported from another node
+    # Role of each conversation message the state holds (system, user, assistant, raw);
+    # empty outside a conversation (runtime/chat.py).
+    roles: tuple[str, ...] = ()
 
 
 class Capsule:
@@ -114,6 +118,7 @@ class Capsule:
         path: Path | None = None,
         epoch: int | None = None,
         origin: Origin | None = None,
+        roles: tuple[str, ...] | None = None,
     ):
         self.name, self.tier, self.blob, self.packing = name, tier, blob, packing
         self.manifest, self.fingerprint, self.position = manifest, fingerprint, position
@@ -127,6 +132,7 @@ class Capsule:
         # The arena epoch the state was taken in (arena.rows_shared); None when unknown, as
         # for a capsule read from disk. In memory only: epochs are per process.
         self.epoch = epoch
+        self._roles = roles  # None: read from meta_json when asked (a disk capsule)
 
     @property
     def meta_json(self) -> str:
@@ -134,6 +140,17 @@ class Capsule:
         if callable(self._meta_json):
             self._meta_json = self._meta_json()
         return self._meta_json
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """Return the role of each conversation message the capsule's state holds."""
+        if self._roles is None:
+            try:
+                chat = json.loads(self.meta_json).get('chat', ())
+                self._roles = tuple(str(m[0]) for m in chat)
+            except (ValueError, TypeError, IndexError, AttributeError):
+                self._roles = ()  # unreadable meta: restore says what is wrong
+        return self._roles
 
     def info(self, latency_s: float = 0.0, tier: str | None = None) -> CapsuleInfo:
         # tuple.__new__ skips the named tuple's Python-level __new__ (every restore ends here)
@@ -149,6 +166,7 @@ class Capsule:
             self.pinned,
             latency_s,
             self.origin,
+            self.roles,
         ))
 
     def with_blob(self, name: str, tier: str, blob: torch.Tensor | None,
@@ -158,6 +176,7 @@ class Capsule:
                   'manifest': self.manifest, 'fingerprint': self.fingerprint,
                   'position': self.position, 'meta_json': self._meta_json,
                   'components': self.components, 'created': time.time(),
-                  'epoch': self.epoch, 'origin': self.origin}  # the same state bytes
+                  'epoch': self.epoch, 'origin': self.origin,
+                  'roles': self._roles}  # the same state bytes
         fields.update(changes)
         return Capsule(**fields)

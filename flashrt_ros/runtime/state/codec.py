@@ -2,12 +2,12 @@
 The codec between the live state and capsules: capture, check and apply.
 
 Live state = the arena bytes + the non-tensor state a capsule keeps as JSON: the cursor
-(position, pending token), the adapter's meta (layer flags, counters) and the sampler's
-state (hex in the JSON; host bytes for CPU and CUDA generators alike, so neither a
-snapshot nor a restore needs a device sync for it). capture copies the live state into a
-new capsule; check refuses one that does not fit this runtime (fingerprint, manifest,
-sizes, metadata) before anything is written; apply writes a checked one in and cannot fail
-half-way.
+(position, pending token, the conversation's messages: runtime/chat.py), the adapter's
+meta (layer flags, counters) and the sampler's state (hex in the JSON; host bytes for CPU
+and CUDA generators alike, so neither a snapshot nor a restore needs a device sync for
+it). capture copies the live state into a new capsule; check refuses one that does not fit
+this runtime (fingerprint, manifest, sizes, metadata) before anything is written; apply
+writes a checked one in and cannot fail half-way.
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ import torch
 from .arena import StateArena
 from .capsule import BOUNDARY_NAME, Capsule
 from .memory import host_blob
+from ..chat import check_messages
 from ..errors import CorruptCapsuleError, FingerprintMismatchError
 
 
 class Cursor:
     """Where the live sequence stands (the non-tensor state the runtime steps)."""
 
-    __slots__ = ('position', 'pending', 'extent')
+    __slots__ = ('position', 'pending', 'extent', 'messages', 'turn_open')
 
     def __init__(self):
         self.position = 0  # tokens (observations) consumed into the state
@@ -37,6 +38,12 @@ class Cursor:
         # turn, and every step boundary is consistent.
         self.pending: int | None = None
         self.extent = 0  # rows the last forward may have written (past position if torn)
+        # The conversation in the state, ((role, content), ...): replaced, never mutated, so
+        # a capture keeps a reference. Empty outside a conversation (raw text).
+        self.messages: tuple = ()
+        # A conversation turn is being generated: its reply is not closed, so the state is
+        # no boundary and is not snapshotted.
+        self.turn_open = False
 
 
 def _meta_json(meta: dict, rng: torch.Tensor) -> str:
@@ -81,6 +88,7 @@ class StateCodec:
         return {
             'position': self.cursor.position,
             'pending': self.cursor.pending,
+            'chat': self.cursor.messages,
             'adapter': self._adapter_meta(self.adapter.export_meta()),
         }
 
@@ -123,6 +131,7 @@ class StateCodec:
             components=self.components,
             pinned=pinned,
             epoch=self.arena.epoch,
+            roles=tuple(role for role, _ in meta['chat']),
         )
         # What check() would parse from meta_json, known here: the first restore of a fresh
         # capsule (an interrupt back to the last checkpoint) skips parsing it.
@@ -162,6 +171,7 @@ class StateCodec:
             if position != cap.position or cap.packing != self.arena.packing(position):
                 raise ValueError(f'position {position} does not fit the header '
                                  f'({cap.position}, {cap.packing})')
+            meta['chat'] = check_messages(meta.get('chat', ()))  # none before conversations
             meta['adapter']['layers']
             self.adapter.check_meta(self._adapter_meta(meta['adapter']))
             meta['rng'] = torch.frombuffer(bytearray.fromhex(meta['rng']), dtype=torch.uint8)
@@ -207,6 +217,7 @@ class StateCodec:
                                  else self._adapter_meta(adapter_meta))
         self.generator.set_state(meta['rng'])
         cursor.position, cursor.pending = int(meta['position']), meta['pending']
+        cursor.messages, cursor.turn_open = meta['chat'], False
         return blob
 
     def restore(self, cap: Capsule, meta: dict, kinds: set[str] | None,
