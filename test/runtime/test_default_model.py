@@ -67,12 +67,20 @@ def test_tokenizer_is_one_token_per_byte_and_round_trips():
         256, 257, 258]
 
 
-def test_greedy_decode_equals_transformers_generate(make_runtime, transformers_model):
-    rt = make_runtime('default', max_seq_len=256)
-    ids = rt.tokenize(PROMPT)
+@pytest.mark.parametrize('prompt_format', ['raw', 'chat'])
+def test_greedy_decode_equals_transformers_generate(make_runtime, transformers_model,
+                                                    prompt_format):
+    rt = make_runtime('default', max_seq_len=256, prompt_format=prompt_format)
+    if prompt_format == 'raw':
+        ids = rt.tokenize(PROMPT)
+    else:  # the folder's own template, rendered by transformers
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(str(DEFAULT_DIR), local_files_only=True)
+        ids = tok.apply_chat_template([{'role': 'user', 'content': PROMPT}], tokenize=True,
+                                      add_generation_prompt=True, return_dict=False)
     ours = greedy(rt, 40, prompt=PROMPT)
-    out = transformers_model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False,
-                                      eos_token_id=None, pad_token_id=256)
+    out = transformers_model.generate(torch.tensor([list(ids)]), max_new_tokens=40,
+                                      do_sample=False, eos_token_id=None, pad_token_id=256)
     assert ours == out[0, len(ids):].tolist()
 
 
