@@ -21,9 +21,9 @@ log "creating $venv with $("$python" --version)"
 rm -rf "$venv"
 "$python" -m venv "$venv"
 pip() { "$venv/bin/python" -m pip --disable-pip-version-check "$@"; }
-# The converter imports torch, numpy and safetensors; the same pins as .venv keep the
+# The converter imports torch, transformers, numpy and safetensors; the same pins as .venv keep the
 # tensors it reads identical to the runtime's.
-pins=$(grep -E '^(torch|numpy|safetensors)==' requirements/venv.txt)
+pins=$(grep -E '^(torch|transformers|numpy|safetensors|pyyaml)==' requirements/venv.txt)
 log "installing converter dependencies: $(echo $pins)"
 # shellcheck disable=SC2086
 pip install --quiet $pins gguf sentencepiece
