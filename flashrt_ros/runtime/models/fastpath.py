@@ -51,6 +51,24 @@ def refusal(model, config) -> str | None:
     return None
 
 
+def _taps_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias):
+    """
+    transformers' causal_conv1d_update for one token without the convolution call.
+
+    x [1, C, 1], conv_state [1, C, K] (shifted in place), weight [C, 1, K] -> [1, C, 1].
+    The result is the second column of a [1, C, 2] buffer, the layout of the reference's
+    sliced conv output: the activation then runs the same (strided) loop over it.
+    """
+    conv_state.copy_(torch.cat([conv_state, x], dim=-1)[:, :, 1:])
+    acc = conv_state[:, :, 0:1] * weight[:, 0, 0:1]
+    for k in range(1, conv_state.shape[-1]):
+        acc = torch.addcmul(acc, conv_state[:, :, k:k + 1], weight[:, 0, k:k + 1])
+    if bias is not None:
+        acc = acc + bias[:, None]
+    out = conv_state.new_empty(conv_state.shape[:2] + (2,))[:, :, 1:]  # [1, C, 1], stride 2
+    return F.silu(out.copy_(acc))
+
+
 class DecodeFastPath:
     """Single-token decode of a Qwen3-Next-style hybrid, writing only arena views."""
 
@@ -72,6 +90,35 @@ class DecodeFastPath:
             else:
                 state = (views[f'L{i}.key'], views[f'L{i}.value'], views[f'L{i}.length'])
             self.layers.append((layer, state))
+        self.taps_exact = self._taps_match(views)
+
+    def _taps_match(self, views) -> bool:
+        """
+        Whether _taps gives the bits of transformers' conv update on this machine.
+
+        A depthwise conv of one output is a K-term multiply-add per channel; oneDNN computes
+        it as a chain of fused multiply-adds, which a few addcmul calls reproduce at a
+        fraction of a convolution call's cost. That order is the library's choice, so it is
+        checked here on random data of each layer's shape; where it differs the reference
+        call runs.
+        """
+        g = torch.Generator(device='cpu').manual_seed(0)
+        for layer, state in self.layers:
+            if len(state) != 2:
+                continue
+            m, live = layer.linear_attn, state[0]
+            if live.dtype != m.conv1d.weight.dtype or m.activation != 'silu':
+                return False
+            for _ in range(4):
+                x = torch.randn(live.shape[:2] + (1,), generator=g).to(live)  # [1, C, 1]
+                ref_state = torch.randn(live.shape, generator=g).to(live)  # [1, C, K]
+                taps_state = ref_state.clone()
+                ref = self.ops.causal_conv1d_update(x, ref_state, m.conv1d.weight.squeeze(1),
+                                                    m.conv1d.bias, m.activation)
+                out = _taps_update(x, taps_state, m.conv1d.weight, m.conv1d.bias)
+                if not (torch.equal(out, ref) and torch.equal(taps_state, ref_state)):
+                    return False
+        return True
 
     @torch.inference_mode()
     def step(self, token: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -101,9 +148,7 @@ class DecodeFastPath:
             qkv = m.in_proj_qkv(x)  # [1, 1, C]
             z = m.in_proj_z(x).reshape(1, 1, -1, m.head_v_dim)
             b, a = m.in_proj_b(x), m.in_proj_a(x)
-        qkv = self.ops.causal_conv1d_update(qkv.transpose(1, 2), conv_state,
-                                            m.conv1d.weight.squeeze(1), m.conv1d.bias,
-                                            m.activation).transpose(1, 2)  # [1, 1, C]
+        qkv = self._conv(m, qkv.transpose(1, 2), conv_state).transpose(1, 2)  # [1, 1, C]
         q, k, v = torch.split(qkv, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
         q = q.reshape(1, 1, -1, m.head_k_dim)  # [1, 1, Hk, Dk]
         k = k.reshape(1, 1, -1, m.head_k_dim)
@@ -116,6 +161,13 @@ class DecodeFastPath:
         recurrent_state.copy_(new_state)
         out = m.norm(out.reshape(-1, out.shape[-1]), z.reshape(-1, z.shape[-1]))
         return m.out_proj(out.reshape(1, 1, -1))  # [1, 1, H]
+
+    def _conv(self, m, x, conv_state):
+        """The conv-state update of one token, x [1, C, 1] -> [1, C, 1]."""
+        if not self.taps_exact:
+            return self.ops.causal_conv1d_update(x, conv_state, m.conv1d.weight.squeeze(1),
+                                                 m.conv1d.bias, m.activation)
+        return _taps_update(x, conv_state, m.conv1d.weight, m.conv1d.bias)
 
     def _attention(self, m, x, rotary, mask, window, keys, values, length):
         """One token through a gated attention block, its KV row written at the position."""
