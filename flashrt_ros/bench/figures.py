@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from .common import PAPER, ratio, summarize
-from .peer import open_peer, peer_decode_tps, skip_reason
 from .measure import (
     arena_decode_tps,
     dynamic_cache_decode_tps,
@@ -27,6 +26,7 @@ from .measure import (
     sample_interleaved_s,
     token_ids,
 )
+from .peer import open_peer, peer_decode_tps, skip_reason
 
 PREFILL_GROWTH = 1.25  # predicted cold-prefill time grows as length ** this (a bit superlinear)
 ATTENTION_TYPES = ('full_attention', 'sliding_attention', 'attention')

@@ -144,7 +144,7 @@ def open_peer(rt, plan, python, n_ctx, log):
 
 
 def peer_decode_tps(peer, ids, steps, name='bench-peer-decode'):
-    """A tokens/s function for paired_decode_rounds: llama.cpp from the state after ids."""
+    """Return a tokens/s function for paired_decode_rounds: llama.cpp from the state after ids."""
     peer('prefill', ids=ids)
     peer('save', name=name)
     return lambda: peer('decode', name=name, steps=steps)['tokens_per_s']

@@ -72,7 +72,8 @@ class Peer:
             w.add_tokenizer_pre('default')
             w.add_token_list(tokens)
             w.add_token_types(types)
-            w.add_token_merges([f'{tokens[33]} {tokens[33]}'])  # llama.cpp wants >= 1 merge; ids are fed directly
+            # llama.cpp refuses a BPE vocab without merges; one suffices (ids are fed directly)
+            w.add_token_merges([f'{tokens[33]} {tokens[33]}'])
             w.add_bos_token_id(config['bos_token_id'])
             w.add_eos_token_id(config['eos_token_id'])
             w.add_pad_token_id(config['pad_token_id'])

@@ -53,7 +53,7 @@ def refusal(model, config) -> str | None:
 
 def _taps_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias):
     """
-    transformers' causal_conv1d_update for one token without the convolution call.
+    Run transformers' causal_conv1d_update for one token without the convolution call.
 
     x [1, C, 1], conv_state [1, C, K] (shifted in place), weight [C, 1, K] -> [1, C, 1].
     The result is the second column of a [1, C, 2] buffer, the layout of the reference's
@@ -163,7 +163,7 @@ class DecodeFastPath:
         return m.out_proj(out.reshape(1, 1, -1))  # [1, 1, H]
 
     def _conv(self, m, x, conv_state):
-        """The conv-state update of one token, x [1, C, 1] -> [1, C, 1]."""
+        """Shift one token into the conv state; return its conv output [1, C, 1]."""
         if not self.taps_exact:
             return self.ops.causal_conv1d_update(x, conv_state, m.conv1d.weight.squeeze(1),
                                                  m.conv1d.bias, m.activation)
