@@ -1,5 +1,5 @@
 # Fresh machine (Debian/Ubuntu x86_64, Python 3.10+, no ROS): `make demo`, `make test`.
-.PHONY: setup test reliability demo demo-policy demo-speech bench bench-quick lint clean
+.PHONY: setup test reliability demo demo-policy demo-speech bench bench-quick bench-peer lint clean
 
 setup:
 	bash scripts/bootstrap.sh
@@ -27,11 +27,21 @@ demo-speech: setup
 # that fig5 needs) is imported, not the source folder. Extra options: make bench ARGS='--only fig2'
 BENCH_OUT = build/bench-results
 
+# llama.cpp beside the runtime (fig4, fig7) when build/peer-venv exists (make bench-peer).
+PEER_PYTHON = $(CURDIR)/build/peer-venv/bin/python
+PEER_ARGS = $(if $(wildcard $(PEER_PYTHON)),--peer-python $(PEER_PYTHON))
+
 bench: setup
-	mkdir -p $(BENCH_OUT) && . ./env.sh && cd $(BENCH_OUT) && python -m flashrt_ros.bench --out . $(ARGS)
+	mkdir -p $(BENCH_OUT) && . ./env.sh && cd $(BENCH_OUT) && python -m flashrt_ros.bench --out . $(PEER_ARGS) $(ARGS)
 
 bench-quick: setup
 	mkdir -p $(BENCH_OUT) && . ./env.sh && cd $(BENCH_OUT) && python -m flashrt_ros.bench --quick --out . $(ARGS)
+
+# Build llama.cpp (llama-cpp-python, from source: minutes) into build/peer-venv, then run the
+# figures that measure it beside the runtime. Not part of `make test`.
+bench-peer: setup
+	bash scripts/peer_env.sh
+	mkdir -p $(BENCH_OUT) && . ./env.sh && cd $(BENCH_OUT) && python -m flashrt_ros.bench --out . --peer-python $(PEER_PYTHON) --only fig4,fig7 $(ARGS)
 
 clean:
 	rm -rf build install log env.sh

@@ -29,9 +29,10 @@ from .figures import (
     Plan,
 )
 from .measure import BENCH_MODEL
+from .peer import fig7_peer, PEER_ENV
 from .report import to_markdown, to_text
 
-FIGURES = ('fig1', 'fig2', 'fig3', 'fig4', 'fig5', 'fig5disk', 'fig6', 'fig8')
+FIGURES = ('fig1', 'fig2', 'fig3', 'fig4', 'fig5', 'fig5disk', 'fig6', 'fig7', 'fig8')
 ROS_FIGURES = {'fig5', 'fig5disk', 'fig8'}  # node processes only: no runtime in this process
 FULL_LENGTHS = [512, 1024, 2048, 4096, 8192, 16384]
 QUICK_LENGTHS = [256, 512]
@@ -63,6 +64,10 @@ def parse_args(argv=None):
                    help='torch threads of this process (default: what torch picks)')
     p.add_argument('--node-model', default='builtin:tiny-hybrid',
                    help='model of the node process in fig5 (default %(default)s)')
+    p.add_argument('--peer-python', default=os.environ.get(PEER_ENV),
+                   help='Python of the llama.cpp environment (make bench-peer builds '
+                        f'build/peer-venv); fig4 and fig7 run llama.cpp beside the runtime '
+                        f'with it, and skip it, saying why, without it (default ${PEER_ENV})')
     p.add_argument('--out', default='build/bench-results',
                    help='directory of the JSON and tables (default %(default)s)')
     p.add_argument('--plots', help='directory of the PNG plots (default: --out)')
@@ -123,9 +128,12 @@ def run_figure(key, rt, args, plan, log):
             from .transfer import fig8_transfer  # node processes over DDS, as fig5
 
             result = fig8_transfer(plan, args.device, log)
+        elif key in ('fig4', 'fig7'):
+            fn = fig4_decode if key == 'fig4' else fig7_peer
+            result = fn(rt, plan, log, args.peer_python)
         else:
             fn = {'fig1': fig1_snapshot_restore, 'fig2': fig2_ttft, 'fig3': fig3_correctness,
-                  'fig4': fig4_decode, 'fig6': fig6_kv_only_prefix}[key]
+                  'fig6': fig6_kv_only_prefix}[key]
             result = fn(rt, plan, log)
     except Exception as exc:
         result = {'error': f'{type(exc).__name__}: {exc}', 'traceback': traceback.format_exc()}

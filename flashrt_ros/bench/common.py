@@ -174,6 +174,7 @@ def model_info(rt):
         'components': rt.components,
         'cuda_graph': stats.cuda_graph,
         'cuda_graph_note': stats.cuda_graph_note,
+        'decode_fastpath_note': stats.decode_fastpath_note,
         'kernels': list(stats.kernels),
         'config': {k: getattr(config, k) for k in keys if hasattr(config, k)},
     }

@@ -26,6 +26,7 @@ from .measure import (
     sample_interleaved_s,
     token_ids,
 )
+from .peer import open_peer, peer_decode_tps, skip_reason
 
 PREFILL_GROWTH = 1.25  # predicted cold-prefill time grows as length ** this (a bit superlinear)
 ATTENTION_TYPES = ('full_attention', 'sliding_attention', 'attention')
@@ -318,10 +319,22 @@ def fig3_correctness(rt, plan, log):
 # ---- figure 4 -------------------------------------------------------------------------
 
 
-def fig4_decode(rt, plan, log):
-    """Greedy decode tokens/s: arena engine vs DynamicCache (loop and generate()), paired."""
+def _without_fastpath(rt, fn):
+    """Run fn() with the adapter's decode fast path off (every step through transformers)."""
+    saved, rt.adapter.fastpath = rt.adapter.fastpath, None
+    try:
+        return fn()
+    finally:
+        rt.adapter.fastpath = saved
+
+
+def fig4_decode(rt, plan, log, peer_python=None):
+    """Greedy decode tokens/s: arena engine vs DynamicCache, generate() and llama.cpp, paired."""
     ids, steps, model, dev = token_ids(64, seed=1), plan.decode_steps, rt.adapter.model, rt.device
-    eager = None
+    eager = peer = None
+    peer_skipped = skip_reason(rt, peer_python)
+    if peer_skipped is None:
+        peer, about = open_peer(rt, plan, peer_python, len(ids) + steps + 16, log)
     if dev.type == 'cuda':
         eager = Runtime(dataclasses.replace(rt.config, cuda_graphs=False))
         eager.warmup()
@@ -336,8 +349,17 @@ def fig4_decode(rt, plan, log):
     }
     if eager is not None:
         paths['arena_no_cuda_graph'] = lambda: arena_decode_tps(eager, ids, steps)
+    if getattr(rt.adapter, 'fastpath', None) is not None:
+        paths['arena_no_fastpath'] = lambda: _without_fastpath(
+            rt, lambda: arena_decode_tps(rt, ids, steps))
+    if peer is not None:
+        paths['llama_cpp'] = peer_decode_tps(peer, ids, steps)
     rounds = plan.decode_rounds
-    runs = paired_decode_rounds(paths, rounds)
+    try:
+        runs = paired_decode_rounds(paths, rounds)
+    finally:
+        if peer is not None:
+            peer.close()
     if eager is not None:
         eager.close()
     rt.reset()
@@ -353,6 +375,8 @@ def fig4_decode(rt, plan, log):
         'rounds': rounds,
         'prompt_tokens': len(ids),
         'cuda_graph': rt.stats().cuda_graph,
+        'fastpath': getattr(rt.adapter, 'fastpath', None) is not None,
+        'fastpath_note': getattr(rt.adapter, 'fastpath_note', None),
         'tokens_per_s': {k: summarize(v) for k, v in runs.items()},
         'arena_over': over,
         'ratio_vs_dynamic_cache_loop': over['dynamic_cache_loop']['median'],
@@ -362,6 +386,13 @@ def fig4_decode(rt, plan, log):
     }
     if eager is not None:
         result['cuda_graph_speedup'] = over['arena_no_cuda_graph']['median']
+    if 'arena_no_fastpath' in over:
+        result['fastpath_speedup'] = over['arena_no_fastpath']['median']
+    if peer is not None:
+        result['ratio_vs_llama_cpp'] = over['llama_cpp']['median']
+        result['llama_cpp'] = about
+    else:
+        result['llama_cpp_skipped'] = peer_skipped
     result['target_holds'] = result['ratio_vs_dynamic_cache_loop'] >= 1.0
     return result
 

@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt  # noqa: E402 (the backend must be chosen first)
 from matplotlib.ticker import FuncFormatter, LogLocator  # noqa: E402
 
 TIER_COLORS = {'device': 'tab:blue', 'host': 'tab:orange', 'disk': 'tab:green'}
-OURS, BASELINE, PAPER = 'tab:blue', 'tab:gray', 'tab:red'
+OURS, BASELINE, PAPER, PEER = 'tab:blue', 'tab:gray', 'tab:red', 'tab:purple'
 
 
 def _err(stats):
@@ -134,12 +134,15 @@ def fig4(f, path, subtitle):
     names = list(f['tokens_per_s'])
     med, err = _err([f['tokens_per_s'][k] for k in names])
     fig, ax = plt.subplots(figsize=(7, 4))
-    colors = [OURS if k.startswith('arena') else BASELINE for k in names]
+    colors = [OURS if k.startswith('arena') else PEER if k == 'llama_cpp' else BASELINE
+              for k in names]
     ax.bar(names, med, yerr=err, capsize=4, color=colors)
+    ax.tick_params(axis='x', labelsize=7, rotation=20)
     for i, m in enumerate(med):
         ax.text(i, m / 2, f'{m:.1f}', ha='center', color='white', fontsize=10)
     ax.set_ylabel('decode tokens/s (median; bars p10-p90)')
-    ax.set_title(f'Greedy decode, {f["steps"]} steps: arena engine vs DynamicCache',
+    ax.set_title(f'Greedy decode, {f["steps"]} steps: arena engine vs transformers'
+                 + (' and llama.cpp' if 'llama_cpp' in names else ''),
                  fontsize=10)
     ax.grid(True, axis='y', alpha=0.3)
     return _save(fig, path, subtitle)
@@ -265,8 +268,35 @@ def fig8(f, path, subtitle):
     return _save(fig, path, subtitle)
 
 
+def fig7(f, path, subtitle):
+    """Against llama.cpp per context length: decode tokens/s, restore and restore + 1st token."""
+    x = [r['tokens'] for r in f['rows']]
+    panels = [('decode tokens/s', 'decode_tokens_per_s', 'peer_decode_tokens_per_s'),
+              ('full-state restore ms', 'restore_ms', 'peer_seq_restore_ms'),
+              ('restore + first token ms', 'restore_first_token_ms',
+               'peer_restore_first_token_ms')]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 4))
+    for ax, (label, ours, peer) in zip(axes, panels):
+        for key, name, color in ((ours, 'flashrt_ros', OURS), (peer, 'llama.cpp', PEER)):
+            med, err = _err([r[key] for r in f['rows']])
+            ax.errorbar(x, med, yerr=err, marker='o', capsize=3, color=color, label=name)
+        if ours == 'restore_ms':
+            med, _ = _err([r['restore_same_lineage_ms'] for r in f['rows']])
+            ax.plot(x, med, marker='.', ls='--', color=OURS, label='flashrt_ros same lineage')
+            med, _ = _err([r['peer_whole_restore_ms'] for r in f['rows']])
+            ax.plot(x, med, marker='.', ls='--', color=PEER, label='llama.cpp whole context')
+        ax.set_xscale('log', base=2)
+        ax.set_yscale('log')
+        _plain(ax)
+        ax.set_xlabel('context tokens')
+        ax.set_title(label, fontsize=10)
+        ax.grid(True, which='both', alpha=0.3)
+        ax.legend(fontsize=7)
+    return _save(fig, path, subtitle + f'; {f.get("threads")} threads each')
+
+
 PLOTS = {'fig1': fig1, 'fig2': fig2, 'fig3': fig3, 'fig4': fig4, 'fig5': fig5,
-         'fig5disk': fig5disk, 'fig6': fig6, 'fig8': fig8}
+         'fig5disk': fig5disk, 'fig6': fig6, 'fig7': fig7, 'fig8': fig8}
 
 
 def plot_all(results, directory, name):

@@ -67,6 +67,28 @@ def _fig4(f):
     return header, rows
 
 
+def _fig7(f):
+    header = ['tokens', 'cold prefill ms (ours / llama.cpp)', 'state MiB (ours / seq)',
+              'full restore ms', 'same-lineage ms', 'llama.cpp seq set ms', 'whole set ms',
+              'seq / full', 'seq / same-lineage', 'restore + 1st token ms (ours / llama.cpp)',
+              'decode tok/s (ours / llama.cpp)', 'decode ratio', 'same tokens']
+    rows = []
+    for r in f['rows']:
+        m = {k: v['median'] for k, v in r.items() if isinstance(v, dict)}
+        rows.append([
+            r['tokens'], f'{m["cold_prefill_ms"]:.0f} / {m["peer_cold_prefill_ms"]:.0f}',
+            f'{r["state_bytes"] / 2**20:.1f} / {r["peer_seq_bytes"] / 2**20:.1f}',
+            _num(m['restore_ms'], '.3f'), _num(m['restore_same_lineage_ms'], '.3f'),
+            _num(m['peer_seq_restore_ms'], '.3f'), _num(m['peer_whole_restore_ms'], '.3f'),
+            _num(r['peer_seq_restore_over_ours'], '.1f', 'x'),
+            _num(r['peer_seq_restore_over_same_lineage'], '.1f', 'x'),
+            f'{m["restore_first_token_ms"]:.2f} / {m["peer_restore_first_token_ms"]:.2f}',
+            f'{m["decode_tokens_per_s"]:.1f} / {m["peer_decode_tokens_per_s"]:.1f}',
+            _num(r['decode_vs_peer'], '.2f', 'x'),
+            _yes(r['same_greedy_tokens'] and r['same_first_token'])])
+    return header, rows
+
+
 def _fig5(f):
     header = ['measure', 'ms median (p10-p90)', 'p99', 'n']
     rows = [
@@ -136,7 +158,7 @@ def _fig8(f):
 
 TABLES = {'fig1': _fig1, 'fig2': _fig2, 'fig3': _fig3, 'fig4': _fig4, 'fig5': _fig5,
           'fig5disk': _fig5disk,
-          'fig6': _fig6, 'fig8': _fig8}
+          'fig6': _fig6, 'fig7': _fig7, 'fig8': _fig8}
 
 
 def targets(results):
@@ -167,6 +189,17 @@ def targets(results):
         rows.append(['fig4', 'arena / DynamicCache decode tokens/s >= 1.0',
                      f'{f["ratio_vs_dynamic_cache_loop"]:.2f} (loop), '
                      f'{f["ratio_vs_hf_generate"]:.2f} (generate())', _yes(f['target_holds'])])
+    f = figs.get('fig7', {})
+    for r in f.get('rows', []):
+        rows.append(['fig7', f'decode tokens/s >= llama.cpp at {r["tokens"]}',
+                     f'{r["decode_vs_peer"]:.2f}x', _yes(r['decode_vs_peer'] >= 1.0)])
+        goal = 3.0 if r['tokens'] > 8192 else 5.0
+        rows.append(['fig7', f'full restore >= {goal:.0f}x faster than state_seq_set_data at '
+                     f'{r["tokens"]}', f'{r["peer_seq_restore_over_ours"]:.1f}x',
+                     _yes(r['peer_seq_restore_over_ours'] >= goal)])
+        rows.append(['fig7', f'restore + first token <= llama.cpp at {r["tokens"]}',
+                     f'{r["peer_first_token_over_ours"]:.2f}x',
+                     _yes(r['peer_first_token_over_ours'] >= 1.0)])
     f = figs.get('fig5', {})
     if 'targets' in f:
         t = f['targets']
@@ -201,6 +234,8 @@ def sections(results):
     """Yield (title, header, rows, notes) for every figure that has results, then targets."""
     for key, fig in results['figures'].items():
         notes = list(fig.get('skipped', [])) + ([fig['error']] if 'error' in fig else [])
+        if fig.get('llama_cpp_skipped'):
+            notes.append(f'llama.cpp not measured: {fig["llama_cpp_skipped"]}')
         cpu = fig.get('cpu', {})
         if 'machine_busy_pct' in cpu:
             notes.append(f'{fig["elapsed_s"]:.0f} s; CPU meanwhile: machine '

@@ -729,6 +729,8 @@ class Runtime:
             decode_tokens_per_s=self._decode_tps,
             cuda_graph=bool(not closed and self.engine.graph is not None),
             cuda_graph_note=None if closed else self.engine.graph_error,
+            decode_fastpath_note=None if closed else getattr(
+                self.adapter, 'fastpath_note', 'this adapter has no decode fast path'),
             cuda_graph_replays=0 if closed else self.engine.replays,
             kernels=() if closed else tuple(self.adapter.kernels),
             control_step_s=self._control_step_s if self.is_policy or self.is_speech else None,

@@ -59,6 +59,9 @@ class RuntimeStats:
     # Temp files in capsule_dir: disk writes in progress, or left by a killed process until
     # a sweep removes them (counted in the disk tier's bytes_used)
     disk_temp_bytes: int = 0
+    # Why single-token steps do not take the decode fast path (models/fastpath.py); None
+    # when they do
+    decode_fastpath_note: str | None = None
 
     def to_dict(self) -> dict:
         """Return the nested dict of JSON values (an LM's has no control_step_s)."""

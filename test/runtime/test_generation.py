@@ -253,13 +253,18 @@ def test_stats_report_tiers_and_restore_times(make_runtime):
     assert set(rt.components) >= {'kv', 'conv', 'recurrent', 'rng', 'meta'}
 
 
+def _inside(rt, layer):
+    """Return a module of decoder layer `layer` that every step calls (the fast path too)."""
+    block = rt.adapter.model.model.layers[layer]
+    return getattr(block, 'mlp', block)
+
+
 class _Fail:
-    """A forward hook on one decoder layer that raises once armed (a mid-step failure)."""
+    """A forward hook in one decoder layer that raises once armed (a mid-step failure)."""
 
     def __init__(self, rt, layer=1):
         self.armed = False
-        layers = rt.adapter.model.model.layers
-        self.handle = layers[layer].register_forward_hook(self)
+        self.handle = _inside(rt, layer).register_forward_hook(self)
 
     def __call__(self, module, args, output):
         if self.armed:
@@ -298,7 +303,7 @@ def test_a_failing_step_serves_a_waiting_rollback_as_if_the_step_was_abandoned(m
     next(gen)
     prompt_end = rt.ring[-1].position
     next(gen)
-    layer = rt.adapter.model.model.layers[1]
+    layer = _inside(rt, 1)
 
     entered = threading.Event()
 

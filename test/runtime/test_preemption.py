@@ -19,15 +19,17 @@ class _PreemptInsideStep:
 
     The forward waits until the preemption is armed and then goes on, so the next module
     boundary abandons the step: the torn path, deterministically. `after` counts forward
-    calls of the last layer once it fired (0 means the step really stopped half-way).
+    calls inside the last layer once it fired (0 means the step really stopped half-way).
+    The hooks sit on every module of a layer: the decode fast path (models/fastpath.py)
+    calls a layer's submodules, not the layer itself.
     """
 
     def __init__(self, rt, call, layer=1, skip=0):
         self.rt, self.call, self.skip = rt, call, skip
         self.thread, self.result, self.error, self.after = None, None, None, 0
         layers = _layers(rt)
-        self.handles = [layers[layer].register_forward_pre_hook(self._fire),
-                        layers[-1].register_forward_hook(self._count)]
+        self.handles = [m.register_forward_pre_hook(self._fire) for m in layers[layer].modules()]
+        self.handles += [m.register_forward_hook(self._count) for m in layers[-1].modules()]
 
     def _fire(self, module, args):
         if self.skip:

@@ -17,6 +17,7 @@ import torch
 
 from .base import CausalLMAdapter
 from .binding import BindingDelegate, CacheBinding, module_fingerprint, PROBE_TOKENS
+from .fastpath import DecodeFastPath, refusal
 from .kernels import route_kernels
 from ..errors import ConfigError
 from ..state.arena import StateSpec
@@ -119,6 +120,8 @@ class HFCausalLMAdapter(BindingDelegate, CausalLMAdapter):
         self.kernels = route_kernels(self.model, self.device)  # before the probe runs them
         self.binding = CacheBinding(self.model.config, max_seq_len, self.family, self._probe)
         self.cache = self.binding.cache
+        self.fastpath: DecodeFastPath | None = None  # built in bind(), when the model allows
+        self.fastpath_note = refusal(self.model, self.config)  # why not (None: it is used)
 
     @torch.inference_mode()
     def _probe(self, cache) -> None:
@@ -126,6 +129,11 @@ class HFCausalLMAdapter(BindingDelegate, CausalLMAdapter):
         self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
 
     # ---- the state contract, kept by the cache binding ---------------------------------
+
+    def bind(self, views: dict[str, torch.Tensor]) -> None:
+        super().bind(views)
+        if self.fastpath_note is None:
+            self.fastpath = DecodeFastPath(self.model, self.config, views, self.max_seq_len)
 
     @property
     def has_sliding_layers(self) -> bool:
@@ -144,6 +152,9 @@ class HFCausalLMAdapter(BindingDelegate, CausalLMAdapter):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
+        if (self.fastpath is not None and kv_len is not None and input_ids.shape[1] == 1
+                and self.binding.decode_ready()):
+            return self.fastpath.step(input_ids, kv_len)
         self.binding.set_window(kv_len)
         out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]  # [1, V]
