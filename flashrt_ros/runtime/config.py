@@ -16,6 +16,8 @@ EVICTION_POLICIES = ('refuse', 'lru')
 TIERS = ('device', 'host', 'disk')  # capsule tiers; each has a <tier>_budget_bytes field
 KEY_FILE_ENV = 'FLASHRT_CAPSULE_KEY_FILE'  # names the capsule key file (RuntimeConfig.capsule_key)
 MIN_KEY_BYTES = 16
+VERIFY_STRATEGIES = ('sequential', 'batched')  # speculative_verify
+MAX_DRAFT_TOKENS = 3
 _DEVICE_RE = re.compile(r'^(cpu|cuda|cuda:\d+)$')
 
 
@@ -34,6 +36,10 @@ class RuntimeConfig:
     rollback_depth: int = 8  # committed boundaries kept in the rollback ring
     ring_budget_bytes: int = 256 << 20  # the ring's memory, oldest dropped first; 0 = unlimited
     seed: int = 0  # initial sampler seed (and reset() seed)
+    # Self-speculative greedy decoding with the checkpoint's MTP head (runtime/speculation.py)
+    speculation: bool = False
+    speculative_tokens: int = 2  # drafts per round, 1..3
+    speculative_verify: str = 'batched'  # "batched" | "sequential" (bit-exact with plain)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -56,6 +62,15 @@ class RuntimeConfig:
             raise ConfigError('cuda_graphs must be true or false')
         if not isinstance(self.capsule_dir, str) or not self.capsule_dir:
             raise ConfigError('capsule_dir must be a non-empty directory path')
+        if not isinstance(self.speculation, bool):
+            raise ConfigError('speculation must be true or false')
+        if self.speculative_verify not in VERIFY_STRATEGIES:
+            raise ConfigError(f'speculative_verify {self.speculative_verify!r} is not valid; '
+                              f"use one of {', '.join(VERIFY_STRATEGIES)}")
+        _check_int('speculative_tokens', self.speculative_tokens, minimum=1)
+        if self.speculative_tokens > MAX_DRAFT_TOKENS:
+            raise ConfigError(f'speculative_tokens must be at most {MAX_DRAFT_TOKENS}, got '
+                              f'{self.speculative_tokens}')
         _check_int('max_seq_len', self.max_seq_len, minimum=8)
         _check_int('rollback_depth', self.rollback_depth, minimum=0)
         _check_int('ring_budget_bytes', self.ring_budget_bytes, minimum=0)

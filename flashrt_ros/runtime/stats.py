@@ -59,6 +59,9 @@ class RuntimeStats:
     # Temp files in capsule_dir: disk writes in progress, or left by a killed process until
     # a sweep removes them (counted in the disk tier's bytes_used)
     disk_temp_bytes: int = 0
+    # Speculative decoding: {'enabled': False, 'note': why} or its rounds, mean tokens per
+    # round (mean_accepted_length) and acceptance_by_depth (runtime/speculation.py)
+    speculation: dict | None = None
 
     def to_dict(self) -> dict:
         """Return the nested dict of JSON values (an LM's has no control_step_s)."""
