@@ -123,7 +123,7 @@ class Speculator:
             token = torch.tensor([[drafts[-1]]], device=rt.device)
         # A captured decode graph writes x's row itself: then none of the rows is kept.
         keep = 1 if rt.engine.graph is None else 0
-        self._zero_head_rows(position - 1 + keep, position - 1 + k)
+        self._zero_head_rows(position + keep, position + k)
         layer.cumulative_length.fill_(position - 1 + keep)
         a.skip_first_upkeep = bool(keep)
         return drafts
@@ -171,7 +171,8 @@ class Speculator:
             arena.storage[:arena.head_nbytes].copy_(head)
             arena.storage[arena.prefix_nbytes(position):arena.prefix_nbytes(position + n)].zero_()
             a.import_meta(meta)
-            a.skip_first_upkeep = skip
+            if skip:  # the zeroed rows held x's head row too: the feed writes it again
+                a.layer.cumulative_length.fill_(position - 1)
             with abortable_forward(rt), guarded_forward(rt):
                 rt.engine.prefill(tokens[:used], position)
         arena.views['tokens'][position:position + used].copy_(

@@ -9,8 +9,8 @@ Its state lives in the arena next to the main model's, so every capsule carries 
   mtp.hidden                  the main model's post-final-norm hidden of the last token
   mtp.meta                    [position the hidden belongs to, head rows] (a consistency check)
 
-At a committed position P (tokens t_0..t_{P-1} consumed) the head's row j holds its layer's
-K/V for (h_j, t_{j+1}), j < P - 1, and every later row is zero: exactly what consuming the
+At a committed position P (tokens t_0..t_{P-1} consumed) the head's row p holds its layer's
+K/V for (h_{p-1}, t_p), 1 <= p < P, and row 0 and every row from P on are zero: exactly what consuming the
 tokens one by one writes, so a plain step keeps it, and a rejected draft leaves no trace
 once its rows are zeroed. Every forward therefore runs the head over the tokens it consumes
 (one decoder layer: the upkeep), which is also what the first draft of a round computes.
@@ -62,7 +62,13 @@ class MTPAdapter(CausalLMAdapter):
 
     def bind(self, views: dict[str, torch.Tensor]) -> None:
         self.inner.bind(views)
-        self.binding.bind({k[len(PREFIX):]: v for k, v in views.items() if k.startswith(PREFIX)})
+        own = {k[len(PREFIX):]: v for k, v in views.items() if k.startswith(PREFIX)}
+        self.binding.bind(own)
+        # The head's first row is t_1's: row 0 of its arena rows stays zero, so a token at
+        # position p writes row p like every other row-block tensor (append-only), and
+        # attention sees rows 1.. only.
+        self.layer.keys, self.layer.values = own['L0.key'][:, :, 1:], own['L0.value'][:, :, 1:]
+        self.layer.max_cache_len = self.binding.max_len = self.max_seq_len - 1
         self.hidden, self.meta = views[HIDDEN], views[META]  # [H], [2] int64
 
     def export_meta(self) -> dict[str, Any]:
