@@ -100,7 +100,7 @@ def run(model, tokens, repeats, k_max, log):
                 if script is not None:
                     rt.speculator.script = _script(ids, script, vocab)
         samples = {name: [] for name in runtimes}
-        identical = {name: True for name in runtimes}
+        identical = dict.fromkeys(runtimes, True)
         for r in range(repeats):
             for name, (rt, _) in runtimes.items():
                 out, seconds = _turn(rt, tokens)

@@ -139,7 +139,7 @@ def joint_trajectory(rows, names, dt, field, now):
 
 
 def speculation_values(spec):
-    """The diagnostics of speculative decoding: its figures, or why it is off."""
+    """Return the diagnostics of speculative decoding: its figures, or why it is off."""
     if not spec or not spec.get('enabled'):
         return {'speculation': (spec or {}).get('note') or 'off'}
     return {'speculation': f"on ({spec['verify']}, {spec['draft_tokens']} drafts)",

@@ -101,7 +101,7 @@ PARAMETERS = (
     _runtime('ring_budget_bytes', 'Byte budget of the rollback ring (0 = unlimited); the oldest '
              'boundaries are dropped to stay within it.', integer=(0, _MAX_INT)),
     _runtime('seed', 'Initial sampler seed.', integer=(0, 2 ** 31 - 1)),
-    _runtime('speculation', 'Self-speculative greedy decoding with the model\'s MTP head (a '
+    _runtime('speculation', "Self-speculative greedy decoding with the model's MTP head (a "
              'model without one runs plain and /diagnostics says why). Sampled turns are '
              'refused while it is on.'),
     _runtime('speculative_tokens', 'Draft tokens per speculative round.',

@@ -30,6 +30,7 @@ import torch
 from .config import MAX_DRAFT_TOKENS
 from .errors import FlashRTError
 from .generation import _feed
+from .models.speculative import recurrent_rule
 from .preemption import abortable_forward, guarded_forward
 
 TRACE_ROUNDS = 4096  # accepted-draft counts of the latest rounds (tests, benchmarks)
@@ -61,7 +62,7 @@ class Speculator:
                            if e.kind == 'mtp' and e.seq_dim is not None]
 
     def stats(self) -> dict:
-        """Rounds, mean tokens per round and the acceptance rate of each draft depth."""
+        """Return rounds, mean tokens per round and the acceptance rate of each draft depth."""
         return {
             'verify': self.verify,
             'draft_tokens': self.draft_tokens,
@@ -87,7 +88,8 @@ class Speculator:
         try:
             drafts = self._draft(rt.cursor.pending, position, k)
             if self.verify == 'batched' and drafts:
-                accepted = self._batched(drafts, accept)
+                with recurrent_rule(rt.device.type == 'cpu'):
+                    accepted = self._batched(drafts, accept)
             else:
                 accepted = self._sequential(drafts, accept)
         finally:

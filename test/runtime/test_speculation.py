@@ -325,3 +325,17 @@ def test_speculator_stats_report_acceptance_by_depth(make_runtime):
     assert stats['acceptance_by_depth'] == [1.0, 0.0]
     assert stats['mean_accepted_length'] == 2.0
     assert isinstance(rt.speculator, Speculator)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+@pytest.mark.parametrize('verify', ['sequential', 'batched'])
+def test_cuda_rounds_beside_the_captured_decode_graph(make_runtime, verify):
+    plain = make_runtime(device='cuda')
+    plain.warmup()
+    expected = greedy(plain, N, PROMPT)
+    rt = spec_runtime(make_runtime, verify=verify, device='cuda')
+    rt.warmup()  # captures the plain step (with the head's upkeep) as a graph
+    ids, _ = plain_trace(spec_runtime(make_runtime, device='cuda'))
+    rt.speculator.script = scripted(ids, 'mixed')
+    assert greedy(rt, N, PROMPT) == expected == ids[-N:]
+    assert set(rt.speculator.trace) == set(range(K + 1))

@@ -7,18 +7,21 @@ Its state lives in the arena next to the main model's, so every capsule carries 
   mtp.L0.key / mtp.L0.value   the head's attention KV, in the row block (append-only)
   mtp.L0.length               rows of it in use
   mtp.hidden                  the main model's post-final-norm hidden of the last token
-  mtp.meta                    [position the hidden belongs to, head rows] (a consistency check)
+  mtp.meta                    [position after the hidden's token, head rows]: a record to check
 
 At a committed position P (tokens t_0..t_{P-1} consumed) the head's row p holds its layer's
-K/V for (h_{p-1}, t_p), 1 <= p < P, and row 0 and every row from P on are zero: exactly what consuming the
-tokens one by one writes, so a plain step keeps it, and a rejected draft leaves no trace
-once its rows are zeroed. Every forward therefore runs the head over the tokens it consumes
+K/V for (h_{p-1}, t_p), 1 <= p < P, and row 0 and every row from P on are zero: what
+consuming the tokens one by one writes, so a plain step keeps it, and a rejected draft
+leaves no trace once its rows are zeroed. Every forward therefore runs the head over the tokens it consumes
 (one decoder layer: the upkeep), which is also what the first draft of a round computes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import sys
+import threading
 from typing import Any
 
 import torch
@@ -30,6 +33,43 @@ from ..state.arena import StateSpec
 
 PREFIX = 'mtp.'
 HIDDEN, META = 'mtp.hidden', 'mtp.meta'
+CHUNK, RECURRENT = 'torch_chunk_gated_delta_rule', 'torch_recurrent_gated_delta_rule'
+_short = threading.local()  # .on: this thread's gated-delta forwards run token by token
+
+
+def _token_by_token(module) -> None:
+    """
+    Let `recurrent_rule()` run a modeling module's multi-token gated-delta forwards per token.
+
+    transformers runs any forward of more than one token with the chunked rule, which pads
+    to 64-token chunks: for the 2-4 tokens of a verify that costs many decode steps on CPU.
+    The per-token rule is the one a decode step runs. Process-wide binding, per-thread switch.
+    """
+    chunked = getattr(module, CHUNK, None)
+    if chunked is None or not hasattr(module, RECURRENT) or getattr(chunked, 'short', False):
+        return
+
+    def rule(*args, **kwargs):
+        if getattr(_short, 'on', False):
+            kwargs.pop('chunk_size', None)
+            return getattr(module, RECURRENT)(*args, **kwargs)
+        return chunked(*args, **kwargs)
+
+    rule.short = True
+    # kernels.route_kernels looks through it to the transformers binding, as before.
+    rule.flashrt_kernel = getattr(chunked, 'flashrt_kernel', chunked)
+    setattr(module, CHUNK, rule)
+
+
+@contextlib.contextmanager
+def recurrent_rule(on: bool = True):
+    """Run this thread's gated-delta forwards token by token inside (see _token_by_token)."""
+    before = getattr(_short, 'on', False)
+    _short.on = on
+    try:
+        yield
+    finally:
+        _short.on = before
 
 
 class MTPAdapter(CausalLMAdapter):
@@ -45,6 +85,8 @@ class MTPAdapter(CausalLMAdapter):
         self.base = inner.model.model  # the decoder stack: hidden states, not logits
         self.lm_head = inner.model.lm_head
         self.binding = CacheBinding(head.config, inner.max_seq_len, self.family, self._probe)
+        for name in {type(m).__module__ for m in self.model.modules()}:
+            _token_by_token(sys.modules[name])
         self.layer = self.binding.cache.layers[0]
         # Set by a round whose first draft already wrote the head row of the first token.
         self.skip_first_upkeep = False
