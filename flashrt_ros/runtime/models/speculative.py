@@ -12,8 +12,9 @@ Its state lives in the arena next to the main model's, so every capsule carries 
 At a committed position P (tokens t_0..t_{P-1} consumed) the head's row p holds its layer's
 K/V for (h_{p-1}, t_p), 1 <= p < P, and row 0 and every row from P on are zero: what
 consuming the tokens one by one writes, so a plain step keeps it, and a rejected draft
-leaves no trace once its rows are zeroed. Every forward therefore runs the head over the tokens it consumes
-(one decoder layer: the upkeep), which is also what the first draft of a round computes.
+leaves no trace once its rows are zeroed. Every forward therefore runs the head over the
+tokens it consumes (one decoder layer: the upkeep), which the first draft of a round also
+computes.
 """
 
 from __future__ import annotations
