@@ -221,7 +221,7 @@ class Generation:
         if cursor.pending is not None and speculator is not None:
             done = len(self.token_ids)
             try:
-                speculator.round(self._accept, s.max_new_tokens - done)
+                speculator.run_round(self._accept, s.max_new_tokens - done)
             except StepAborted:  # its tokens were never handed out
                 del self.token_ids[done:]
                 self._events.clear()

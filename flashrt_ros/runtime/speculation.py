@@ -75,7 +75,7 @@ class Speculator:
 
     # ---- a round (step lock held, pending token set) ------------------------------------
 
-    def round(self, accept: Callable[[int], bool], limit: int) -> int:
+    def run_round(self, accept: Callable[[int], bool], limit: int) -> int:
         """
         Run one round; hand each decided token to accept(token) (False: the turn ends).
 

@@ -55,14 +55,14 @@ def scripted(ids, kind, vocab=264, seed=0):
 
 def record_rounds(rt):
     """Record (position, state digest) after every round of rt's speculator."""
-    seen, run = [], rt.speculator.round
+    seen, run = [], rt.speculator.run_round
 
     def round_and_record(accept, limit):
         accepted = run(accept, limit)
         seen.append((rt.position, rt.state_digest()))
         return accepted
 
-    rt.speculator.round = round_and_record
+    rt.speculator.run_round = round_and_record
     return seen
 
 
