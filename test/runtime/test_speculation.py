@@ -203,8 +203,8 @@ def test_stop_conditions_cut_a_round_where_plain_decoding_stops(make_runtime, ve
     eos = gen[9]
     cut = gen.index(eos)
     stop = next(chr(t) for t in gen[5:] if 32 < t < 127)
-    cases = [dict(max_new_tokens=11), dict(eos=True, tokenizer=_EosAt(eos)),
-             dict(stop=(stop,))]
+    cases = [{'max_new_tokens': 11}, {'eos': True, 'tokenizer': _EosAt(eos)},
+             {'stop': (stop,)}]
     for case in cases:
         results = []
         for speculative in (False, True):
