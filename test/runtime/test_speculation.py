@@ -339,3 +339,17 @@ def test_cuda_rounds_beside_the_captured_decode_graph(make_runtime, verify):
     rt.speculator.script = scripted(ids, 'mixed')
     assert greedy(rt, N, PROMPT) == expected == ids[-N:]
     assert set(rt.speculator.trace) == set(range(K + 1))
+
+
+def test_checkpoint_mtp_weights_are_loaded(make_runtime, tmp_path):
+    from safetensors.torch import save_file
+
+    built = spec_runtime(make_runtime, verify='batched')
+    path = save_builtin('builtin:tiny-hybrid', tmp_path / 'ckpt')
+    head = {f'mtp.{k}': v.contiguous() for k, v in built.adapter.head.state_dict().items()}
+    save_file(head, str(path / 'mtp.safetensors'))
+    rt = spec_runtime(make_runtime, verify='batched', model=str(path))
+    assert rt.stats().speculation['enabled']
+    assert rt.fingerprint == built.fingerprint  # same weights, same head, same layout
+    assert greedy(rt, 8, PROMPT) == greedy(built, 8, PROMPT)
+    assert list(rt.speculator.trace) == list(built.speculator.trace)
