@@ -140,6 +140,17 @@ def joint_trajectory(rows, names, dt, field, now):
     return trajectory
 
 
+def speculation_values(spec):
+    """Return the diagnostics of speculative decoding: its figures, or why it is off."""
+    if not spec or not spec.get('enabled'):
+        return {'speculation': (spec or {}).get('note') or 'off'}
+    return {'speculation': f"on ({spec['verify']}, {spec['draft_tokens']} drafts)",
+            'speculation_rounds': spec['rounds'],
+            'speculation_mean_accepted_length': f"{spec['mean_accepted_length']:.3f}",
+            'speculation_acceptance_by_depth': ', '.join(
+                f'{a:.3f}' for a in spec['acceptance_by_depth'])}
+
+
 def diagnostic_status(name, state_label, session, stage=''):
     """
     Build the node's DiagnosticStatus: lifecycle state, and the runtime's stats if any.
@@ -178,6 +189,7 @@ def diagnostic_status(name, state_label, session, stage=''):
             values['cuda_graph'] = stats.cuda_graph
             values['disk_temp_bytes'] = stats.disk_temp_bytes
             values['kernels'] = ', '.join(stats.kernels) or 'none'
+            values.update(speculation_values(stats.speculation))
             values.update(session.mode.diagnostics(stats))
             if state_label == 'active':
                 status.level, status.message = DiagnosticStatus.OK, 'active'

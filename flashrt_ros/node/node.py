@@ -206,6 +206,9 @@ class FlashRTNode(LifecycleNode):
             f'configured {config.model} on {config.device} ({runtime.stats().dtype}, {chat}): '
             f'state {runtime.state_nbytes} bytes {list(runtime.components)} in '
             f'{time.perf_counter() - t0:.1f} s')
+        if config.speculation:
+            self.get_logger().info(
+                f'speculation: {messages.speculation_values(runtime.stats().speculation)}')
         period = session.mode.tick_period()
         if period is not None:
             self._control_timer = self.create_timer(period, self._control_tick,

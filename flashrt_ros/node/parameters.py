@@ -3,7 +3,8 @@
 import dataclasses
 
 from flashrt_ros.runtime import RuntimeConfig
-from flashrt_ros.runtime.config import DTYPES, EVICTION_POLICIES, PROMPT_FORMATS
+from flashrt_ros.runtime.config import DTYPES, EVICTION_POLICIES, MAX_DRAFT_TOKENS
+from flashrt_ros.runtime.config import PROMPT_FORMATS, VERIFY_STRATEGIES
 from flashrt_ros.runtime.state.transfer import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
 from flashrt_ros.session import MODES, POLICY_MODES
 from flashrt_ros.session.policy import STEPPINGS
@@ -109,6 +110,14 @@ PARAMETERS = (
              'system message, each prompt a user turn, each reply an assistant turn closed by '
              'the end-of-turn tokens); raw: the text as it is; auto: chat when the tokenizer '
              'has a template, else raw.', choices=PROMPT_FORMATS),
+    _runtime('speculation', "Self-speculative greedy decoding with the model's MTP head (a "
+             'model without one runs plain and /diagnostics says why). Sampled turns are '
+             'refused while it is on.'),
+    _runtime('speculative_tokens', 'Draft tokens per speculative round.',
+             integer=(1, MAX_DRAFT_TOKENS)),
+    _runtime('speculative_verify', 'batched: one forward verifies a round (fast; exact in '
+             'float32 up to rounding); sequential: one step per token, bit-exact with plain '
+             'greedy decoding.', choices=VERIFY_STRATEGIES),
     Param('home_capsule', 'home',
           'Name of the capsule taken at activation (system prompt prefilled); ~/reset and the '
           'restore_home policy restore it.'),

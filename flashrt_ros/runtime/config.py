@@ -17,6 +17,8 @@ EVICTION_POLICIES = ('refuse', 'lru')
 TIERS = ('device', 'host', 'disk')  # capsule tiers; each has a <tier>_budget_bytes field
 KEY_FILE_ENV = 'FLASHRT_CAPSULE_KEY_FILE'  # names the capsule key file (RuntimeConfig.capsule_key)
 MIN_KEY_BYTES = 16
+VERIFY_STRATEGIES = ('sequential', 'batched')  # speculative_verify
+MAX_DRAFT_TOKENS = 3
 _DEVICE_RE = re.compile(r'^(cpu|cuda|cuda:\d+)$')
 AUTO_BUDGET = -1  # a budget sized from the arena: see RuntimeConfig.sized_budgets
 # (full-state capsules an auto budget holds, the least it is): the old fixed defaults stay
@@ -49,6 +51,10 @@ class RuntimeConfig:
     # conversation turns, "raw" appends the text as it is, "auto" is chat when the
     # tokenizer has a template and raw otherwise.
     prompt_format: str = 'auto'
+    # Self-speculative greedy decoding with the checkpoint's MTP head (runtime/speculation.py)
+    speculation: bool = False
+    speculative_tokens: int = 2  # drafts per round, 1..3
+    speculative_verify: str = 'batched'  # "batched" | "sequential" (bit-exact with plain)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -74,6 +80,15 @@ class RuntimeConfig:
             raise ConfigError('cuda_graphs must be true or false')
         if not isinstance(self.capsule_dir, str) or not self.capsule_dir:
             raise ConfigError('capsule_dir must be a non-empty directory path')
+        if not isinstance(self.speculation, bool):
+            raise ConfigError('speculation must be true or false')
+        if self.speculative_verify not in VERIFY_STRATEGIES:
+            raise ConfigError(f'speculative_verify {self.speculative_verify!r} is not valid; '
+                              f"use one of {', '.join(VERIFY_STRATEGIES)}")
+        _check_int('speculative_tokens', self.speculative_tokens, minimum=1)
+        if self.speculative_tokens > MAX_DRAFT_TOKENS:
+            raise ConfigError(f'speculative_tokens must be at most {MAX_DRAFT_TOKENS}, got '
+                              f'{self.speculative_tokens}')
         _check_int('max_seq_len', self.max_seq_len, minimum=8)
         _check_int('rollback_depth', self.rollback_depth, minimum=0)
         _check_int('ring_budget_bytes', self.ring_budget_bytes, minimum=AUTO_BUDGET)

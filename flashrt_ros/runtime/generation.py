@@ -17,6 +17,7 @@ before the commit, so that every boundary holds whole turns.
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 import sys
 import time
@@ -188,6 +189,8 @@ class Generation:
         self.prefix_offset = 0
         self.read_offset = 0
         self.tail = ''  # the end of the text handed out so far, for stop strings
+        self._events: collections.deque[TokenEvent] = collections.deque()
+        self._reason: str | None = None  # why the turn ends with the token accepted last
 
     def __iter__(self) -> Iterator[TokenEvent]:
         return self
@@ -195,6 +198,8 @@ class Generation:
     def __next__(self) -> TokenEvent:
         rt = self._rt
         with rt._lock:
+            if self._events:  # decided by the last speculative round, handed out one by one
+                return self._events.popleft()
             if self.result is not None:
                 raise StopIteration
             if rt._preemption is not None:  # a restore/rollback waits for this boundary
@@ -250,19 +255,39 @@ class Generation:
             self.finish('max_seq_len')
         if self.result is not None:
             raise StopIteration
-        if cursor.pending is not None:
-            with abortable_forward(rt):
-                _feed(rt, cursor.pending)
-            cursor.pending = None
-        with guarded_forward(rt):  # e.g. NaN logits make sampling raise
-            token = rt.engine.sample(s.temperature, s.top_k, s.top_p, rt.generator)
-        cursor.pending = token
-        now = time.perf_counter()
-        if not self.token_ids:
-            self.t_first = now
-        if s.eos and token in self.stop_ids:
-            self.finish('eos')
+        speculator = rt.speculator
+        if cursor.pending is not None and speculator is not None:
+            done = len(self.token_ids)
+            try:
+                room = rt.config.max_seq_len - self.reserve - cursor.position
+                speculator.run_round(self._accept, min(s.max_new_tokens - done, room))
+            except StepAborted:  # its tokens were never handed out
+                del self.token_ids[done:]
+                self._events.clear()
+                raise
+        else:
+            if cursor.pending is not None:
+                with abortable_forward(rt):
+                    _feed(rt, cursor.pending)
+                cursor.pending = None
+            with guarded_forward(rt):  # e.g. NaN logits make sampling raise
+                token = rt.engine.sample(s.temperature, s.top_k, s.top_p, rt.generator)
+            cursor.pending = token
+            self._accept(token)
+        if self._reason is not None:
+            self.finish(self._reason)
+        if not self._events:
             raise StopIteration
+        return self._events.popleft()
+
+    def _accept(self, token: int) -> bool:
+        """Queue the event of sampled `token`; False when the turn ends with it."""
+        rt, s = self._rt, self.sampling
+        if not self.token_ids:
+            self.t_first = time.perf_counter()
+        if s.eos and token in self.stop_ids:
+            self._reason = 'eos'
+            return False
         self.token_ids.append(token)
         last = len(self.token_ids) >= s.max_new_tokens
         piece = self._new_text()
@@ -278,9 +303,9 @@ class Generation:
             if any(x in seen for x in s.stop):
                 reason = 'stop_string'
             self.tail = seen[-max(len(x) for x in s.stop):]
-        if reason:
-            self.finish(reason)
-        return TokenEvent(len(self.token_ids) - 1, token, piece)
+        self._events.append(TokenEvent(len(self.token_ids) - 1, token, piece))
+        self._reason = reason
+        return reason is None
 
     def _new_text(self) -> str:
         """Return the text the tokens past read_offset add (see __init__)."""

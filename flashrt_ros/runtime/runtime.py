@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import functools
 import hashlib
+import logging
 import math
 import threading
 import time
@@ -43,9 +44,11 @@ from .generation import check_fits, check_vocab, Generation, prefill_ids, prompt
 from .models.base import PolicyAdapter, PolicySpec, StateAdapter
 from .models.hf import checkpoint_dtype, GenerationDefaults, load_adapter, resolve_model
 from .models.policy import is_policy_model, load_policy
+from .models.speculative import MTPAdapter
 from .models.speech import is_speech_model, KyutaiSTTAdapter, load_speech, SpeechSpec
 from .policy_mode import ActionChunk, control_step
 from .preemption import preempt_with, Preemption
+from .speculation import attach, Speculator
 from .speech_mode import check_audio, feed_samples, read_delayed, TranscriptEvent, warm_speech
 from .state.arena import dtype_from_name, dtype_name, StateArena
 from .state.capsule import BOUNDARY_NAME, Capsule, CapsuleInfo, Origin, validate_name
@@ -57,6 +60,7 @@ from .state.store import CapsuleStore
 from .state.transfer import check_manifest, Exports, Manifest, Staging
 from .stats import RingStats, RuntimeStats, TierStats
 
+_log = logging.getLogger(__name__)
 RESTORE_MODES = ('full', 'kv_only')
 KV_ONLY_SKIPS = frozenset({'conv', 'recurrent'})  # what a KV-only restore (the ablation) leaves
 MIN_TEMPERATURE = 1e-4  # below it the scaled logits overflow: use 0 (greedy) instead
@@ -111,6 +115,13 @@ class Runtime:
                     load_speech if is_speech_model(model) else load_adapter)
             adapter = load(config.model, self.device, self.dtype, config.max_seq_len)
         adapter.check_device(self.device)  # a user's module may still be elsewhere
+        # Speculation: the MTP head's state joins the arena (and every capsule) or it says why
+        # not (speculation_note); off, there is no head state at all.
+        self.speculation_note = 'off' if not config.speculation else None
+        if config.speculation:
+            adapter, self.speculation_note = attach(adapter, resolve_model(config.model))
+            if self.speculation_note is not None:
+                _log.warning('speculation %s; decoding runs plain', self.speculation_note)
         self.adapter = adapter
         self.is_policy = isinstance(adapter, PolicyAdapter)
         self.is_speech = isinstance(adapter, KyutaiSTTAdapter)
@@ -137,6 +148,8 @@ class Runtime:
             if not self.is_speech:  # never sample an id the tokenizer has no token for
                 self.engine.limit_vocab(min(adapter.vocab_size, self.tokenizer.vocab_size))
         budgets = config.sized_budgets(self.arena.nbytes)
+        self.speculator = (Speculator(self, config.speculative_tokens, config.speculative_verify)
+                           if isinstance(adapter, MTPAdapter) else None)
         self.ring = RollbackRing(config.rollback_depth, budgets.pop('ring'))
         self.cursor = Cursor()
         self.codec = StateCodec(
@@ -350,6 +363,10 @@ class Runtime:
                 f'temperature {temperature!r} is not valid: use 0 (greedy) or a finite '
                 f'number >= {MIN_TEMPERATURE:g}')
         sampling = Sampling.checked(max_new_tokens, temperature, top_k, top_p, seed, stop, eos)
+        if temperature > 0 and self.speculator is not None:
+            raise InvalidRequestError(
+                'speculative decoding is greedy only: use temperature 0, or a runtime with '
+                'speculation off for sampled turns')
         with self._lock:
             self._check_idle()
             ids, plan = None, None
@@ -735,4 +752,6 @@ class Runtime:
             kernels=() if closed else tuple(self.adapter.kernels),
             control_step_s=self._control_step_s if self.is_policy or self.is_speech else None,
             disk_temp_bytes=temp_bytes,
+            speculation=(dict(self.speculator.stats(), enabled=True) if self.speculator
+                         else {'enabled': False, 'note': self.speculation_note}),
         )

@@ -62,6 +62,9 @@ class RuntimeStats:
     # Why single-token steps do not take the decode fast path (models/fastpath.py); None
     # when they do
     decode_fastpath_note: str | None = None
+    # Speculative decoding: {'enabled': False, 'note': why} or its rounds, mean tokens per
+    # round (mean_accepted_length) and acceptance_by_depth (runtime/speculation.py)
+    speculation: dict | None = None
 
     def to_dict(self) -> dict:
         """Return the nested dict of JSON values (an LM's has no control_step_s)."""

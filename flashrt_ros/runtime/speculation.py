@@ -1,0 +1,213 @@
+"""
+Self-speculative greedy decoding with the model's MTP head, committed exactly.
+
+A round starts at a committed boundary: position P, the pending token x (sampled, not yet
+consumed) and the main model's last hidden h_{P-1} in the arena. It
+
+1. drafts up to k tokens with the head: d_1 from (h_{P-1}, x), each further one from the
+   head's own hidden and the previous draft (its rows past x's are zeroed again at once:
+   only the row of x is what consuming x writes, models/speculative.py);
+2. verifies them with the main model, `sequential` (one single-token step per token, ending
+   at the first mismatch: every step is exactly the one plain greedy decoding would run,
+   so tokens and state digests are identical at every commit) or `batched` (one forward
+   over x, d_1..d_k; on a rejection the head of the arena (recurrent, conv, counters) goes
+   back to its copy from before the forward, the rows it wrote are zeroed and the accepted
+   tokens are fed again as one forward);
+3. commits the accepted drafts and the main model's next greedy token (the bonus, pending).
+
+Every token is handed to the turn as it is decided (accept); when the turn ends with one
+(EOS, max_new_tokens, a stop string) the round stops there, as plain decoding would. The
+round never takes a capsule: capsules are only taken at committed boundaries.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable
+
+import torch
+
+from .config import MAX_DRAFT_TOKENS
+from .errors import FlashRTError
+from .generation import _feed
+from .models.speculative import recurrent_rule
+from .preemption import abortable_forward, guarded_forward
+
+TRACE_ROUNDS = 4096  # accepted-draft counts of the latest rounds (tests, benchmarks)
+
+
+def _greedy(logits: torch.Tensor) -> list[int]:
+    """Return the argmax of each row of logits [T, V]; refuse NaN as the engine does."""
+    if torch.isnan(logits).any():
+        raise FlashRTError('the model produced NaN logits; no token was taken: check the '
+                           'model (dtype, weights) and the capsule the state came from')
+    return logits.argmax(-1).tolist()
+
+
+class Speculator:
+    """Runs speculative rounds for a runtime whose adapter is an MTPAdapter."""
+
+    def __init__(self, rt, draft_tokens: int, verify: str):
+        self.rt, self.adapter = rt, rt.adapter
+        self.draft_tokens, self.verify = draft_tokens, verify
+        # Tests and benchmarks: script(position, pending, k) -> drafts, instead of the head.
+        self.script: Callable[[int, int, int], list[int]] | None = None
+        self.rounds = 0
+        self.drafted = [0] * MAX_DRAFT_TOKENS  # rounds that drafted depth j + 1
+        self.accepted = [0] * MAX_DRAFT_TOKENS  # ... and committed it
+        self.tokens = 0  # tokens the rounds handed out
+        self.trace: collections.deque[int] = collections.deque(maxlen=TRACE_ROUNDS)
+        views, arena = rt.arena.views, rt.arena
+        self._head_rows = [views[e.name] for e in arena.manifest
+                           if e.kind == 'mtp' and e.seq_dim is not None]
+
+    def stats(self) -> dict:
+        """Return rounds, mean tokens per round and the acceptance rate of each draft depth."""
+        return {
+            'verify': self.verify,
+            'draft_tokens': self.draft_tokens,
+            'rounds': self.rounds,
+            'mean_accepted_length': self.tokens / self.rounds if self.rounds else 0.0,
+            'acceptance_by_depth': [a / d if d else 0.0 for a, d in
+                                    zip(self.accepted[:self.draft_tokens],
+                                        self.drafted[:self.draft_tokens])],
+        }
+
+    # ---- a round (step lock held, pending token set) ------------------------------------
+
+    def run_round(self, accept: Callable[[int], bool], limit: int) -> int:
+        """
+        Run one round; hand each decided token to accept(token) (False: the turn ends).
+
+        limit: tokens the turn may still hand out (>= 1). Returns the drafts committed.
+        """
+        rt = self.rt
+        position = rt.cursor.position
+        room = rt.config.max_seq_len - position  # tokens that may still be consumed (>= 1)
+        k = max(0, min(self.draft_tokens, room - 1, limit - 1))
+        try:
+            drafts = self._draft(rt.cursor.pending, position, k)
+            if self.verify == 'batched' and drafts:
+                with recurrent_rule(rt.device.type == 'cpu'):
+                    accepted = self._batched(drafts, accept)
+            else:
+                accepted = self._sequential(drafts, accept)
+        finally:
+            self.adapter.skip_first_upkeep = False  # also after an abandoned forward
+        self.rounds += 1
+        self.tokens += accepted + 1
+        for j in range(len(drafts)):
+            self.drafted[j] += 1
+            self.accepted[j] += accepted > j
+        self.trace.append(accepted)
+        return accepted
+
+    def _zero_head_rows(self, start: int, stop: int) -> None:
+        for view in self._head_rows:
+            view.narrow(2, start, stop - start).zero_()
+
+    @torch.inference_mode()
+    def _draft(self, pending: int, position: int, k: int) -> list[int]:
+        """Up to k draft tokens; the arena is left as it was but for the head row of x."""
+        if self.script is not None:
+            return [int(t) for t in self.script(position, pending, k)][:k]
+        if k == 0:
+            return []
+        a, rt = self.adapter, self.rt
+        layer = a.layer
+        token = torch.tensor([[pending]], device=rt.device)
+        hidden = a.hidden.view(1, 1, -1)
+        drafts = []
+        for j in range(k):
+            with abortable_forward(rt), guarded_forward(rt):
+                hidden = a.draft_step(token, hidden, position + j)  # [1, 1, H]
+                drafts.append(int(a.lm_head(hidden)[0, -1].argmax()))
+            token = torch.tensor([[drafts[-1]]], device=rt.device)
+        # A captured decode graph writes x's row itself: then none of the rows is kept.
+        keep = 1 if rt.engine.graph is None else 0
+        self._zero_head_rows(position + keep, position + k)
+        layer.cumulative_length.fill_(position - 1 + keep)
+        a.skip_first_upkeep = bool(keep)
+        return drafts
+
+    def _sequential(self, drafts: list[int], accept) -> int:
+        """Verify one token a step, exactly as plain greedy decoding steps; stop at a miss."""
+        rt = self.rt
+        cursor = rt.cursor
+        for j, token in enumerate([cursor.pending] + drafts):
+            with abortable_forward(rt):
+                _feed(rt, token)
+            cursor.pending = None
+            with guarded_forward(rt):
+                best = rt.engine.sample(0.0, 0, 1.0, rt.generator)
+            cursor.pending = best
+            if not accept(best) or j == len(drafts) or best != drafts[j]:
+                return j
+        raise AssertionError('unreachable')
+
+    @torch.inference_mode()
+    def _batched(self, drafts: list[int], accept) -> int:
+        """Verify all drafts in one forward; on a miss restore the head and feed the rest."""
+        rt, a = self.rt, self.adapter
+        arena, cursor = rt.arena, rt.cursor
+        position, tokens = cursor.position, [cursor.pending] + drafts
+        n = len(tokens)
+        skip = a.skip_first_upkeep
+        head = arena.storage[:arena.head_nbytes].clone()  # recurrent, conv, counters, hidden
+        meta = a.export_meta()
+        cursor.extent = max(cursor.extent, position + n)
+        ids = torch.tensor([tokens], device=rt.device)
+        with abortable_forward(rt), guarded_forward(rt):
+            hidden = a.forward_hidden(ids, kv_len=position + n)  # [1, n, H]
+            logits = a.lm_head(hidden)[0].float()  # [n, V]
+            best = _greedy(logits)
+        accepted = 0
+        for j in range(n):
+            accepted = j
+            if not accept(best[j]) or j == n - 1 or best[j] != tokens[j + 1]:
+                break
+        used = accepted + 1
+        if used == n:
+            rt.engine.logits.copy_(logits[-1])
+        else:
+            arena.storage[:arena.head_nbytes].copy_(head)
+            arena.storage[arena.prefix_nbytes(position):arena.prefix_nbytes(position + n)].zero_()
+            a.import_meta(meta)
+            if skip:  # the zeroed rows held x's head row too: the feed writes it again
+                a.layer.cumulative_length.fill_(position - 1)
+            with abortable_forward(rt), guarded_forward(rt):
+                rt.engine.prefill(tokens[:used], position)
+        arena.views['tokens'][position:position + used].copy_(
+            torch.tensor(tokens[:used], dtype=torch.int32))
+        cursor.position += used
+        cursor.pending = best[accepted]
+        return accepted
+
+
+def attach(adapter, model_id: str):
+    """
+    Return (adapter, None) wrapped with its MTP head, or (adapter, why not) unchanged.
+
+    A built-in gets a seeded random head (its drafts are mostly wrong; the round is still
+    exact); a checkpoint directory its `mtp.*` weights; a model without a head runs plain.
+    """
+    from pathlib import Path
+
+    from .models.builtin import INIT_STD, SEED
+    from .models.hf import HFCausalLMAdapter
+    from .models.mtp import FAMILIES, load_head, seeded_head
+    from .models.speculative import MTPAdapter
+
+    if not isinstance(adapter, HFCausalLMAdapter):
+        return adapter, f'off: a {type(adapter).__name__} has no MTP head'
+    family = adapter.model.config.model_type
+    if family not in FAMILIES:
+        return adapter, (f'off: model type {family!r} has no MTP head (known: '
+                         f'{", ".join(sorted(FAMILIES))})')
+    if model_id.startswith('builtin:'):
+        head = seeded_head(adapter.model, SEED + 1, INIT_STD)
+    else:
+        head = load_head(adapter.model, Path(model_id).expanduser())
+        if head is None:
+            return adapter, f'off: checkpoint {model_id!r} ships no mtp.* weights'
+    return MTPAdapter(adapter, head), None
