@@ -339,19 +339,10 @@ class Runtime:
             self._commit()
             return self.cursor.position
 
-    def generate(self, prompt: str | Sequence[int] | None = None, max_new_tokens: int = 64,
-                 temperature: float | None = 0.0, top_k: int | None = 0,
-                 top_p: float | None = 1.0, seed: int | None = None,
-                 stop: Sequence[str] = ('\n\n',), eos: bool = True,
-                 raw: bool = False) -> Generation:
-        """
-        Start a streaming turn (iterate it for TokenEvents); claims the writer slot now.
-
-        With a chat template, text is a user turn and the reply an assistant turn closed by
-        the template's end-of-turn tokens; raw=True (or token ids) appends the prompt as it
-        is. temperature/top_k/top_p None: the checkpoint's default (generation_config.json;
-        greedy when it has none).
-        """
+    def sampling(self, max_new_tokens: int = 64, temperature: float | None = 0.0,
+                 top_k: int | None = 0, top_p: float | None = 1.0, seed: int | None = None,
+                 stop: Sequence[str] = ('\n\n',), eos: bool = True) -> Sampling:
+        """Return a turn's sampling parameters checked (None: the checkpoint's default)."""
         self._require_mode(policy=False)
         defaults = getattr(self.adapter, 'generation', None) or GenerationDefaults()
         temperature = defaults.temperature if temperature is None else temperature
@@ -367,6 +358,22 @@ class Runtime:
             raise InvalidRequestError(
                 'speculative decoding is greedy only: use temperature 0, or a runtime with '
                 'speculation off for sampled turns')
+        return sampling
+
+    def generate(self, prompt: str | Sequence[int] | None = None, max_new_tokens: int = 64,
+                 temperature: float | None = 0.0, top_k: int | None = 0,
+                 top_p: float | None = 1.0, seed: int | None = None,
+                 stop: Sequence[str] = ('\n\n',), eos: bool = True,
+                 raw: bool = False) -> Generation:
+        """
+        Start a streaming turn (iterate it for TokenEvents); claims the writer slot now.
+
+        With a chat template, text is a user turn and the reply an assistant turn closed by
+        the template's end-of-turn tokens; raw=True (or token ids) appends the prompt as it
+        is. temperature/top_k/top_p None: the checkpoint's default (generation_config.json;
+        greedy when it has none).
+        """
+        sampling = self.sampling(max_new_tokens, temperature, top_k, top_p, seed, stop, eos)
         with self._lock:
             self._check_idle()
             ids, plan = None, None

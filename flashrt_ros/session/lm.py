@@ -29,18 +29,29 @@ class LMMode(Mode):
         if system_prompt:
             self.runtime.prefill(system_prompt)
 
+    def _sampling(self, request):
+        """The runtime's sampling keywords of a request (negative: the checkpoint's default)."""
+        return dict(
+            max_new_tokens=int(request.max_new_tokens or self._param('max_new_tokens')),
+            temperature=_or_default(float, request.temperature),
+            top_k=_or_default(int, request.top_k), top_p=_or_default(float, request.top_p),
+            seed=None if request.seed < 0 else int(request.seed),
+            stop=tuple(request.stop) or tuple(self._param('stop_strings')))
+
+    def check_turn(self, request):
+        try:
+            self.runtime.sampling(**self._sampling(request))
+        except FlashRTError as exc:
+            return str(exc)
+        return ''
+
     def run_turn(self, turn, should_stop):
         """Generate and stream the turn's tokens; return the runtime's result (None: failed)."""
         rt, request = self.runtime, turn.request
         try:
             gen = rt.generate(
                 prompt=list(request.token_ids) if request.token_ids else (request.prompt or None),
-                max_new_tokens=int(request.max_new_tokens or self._param('max_new_tokens')),
-                temperature=_or_default(float, request.temperature),
-                top_k=_or_default(int, request.top_k), top_p=_or_default(float, request.top_p),
-                seed=None if request.seed < 0 else int(request.seed),
-                stop=tuple(request.stop) or tuple(self._param('stop_strings')),
-                raw=bool(request.raw))
+                raw=bool(request.raw), **self._sampling(request))
         except FlashRTError as exc:
             turn.fail(BUSY_MESSAGE if isinstance(exc, BusyError) else str(exc), rt.position)
             return None

@@ -31,6 +31,10 @@ class Mode:
         """Why a generation request (~/generate goal, ~/prompt) is refused; '' if it runs."""
         return f'{source} rejected: the node runs mode {self.name}, which runs no turns'
 
+    def check_turn(self, request):
+        """Why a turn's own parameters are refused before it changes anything; '' if fine."""
+        return ''
+
     def run_turn(self, turn, should_stop):
         """Run a turn's generation (generation thread); return its result or None if failed."""
         raise NotImplementedError(f'mode {self.name} runs no turns')

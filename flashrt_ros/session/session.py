@@ -32,7 +32,8 @@ class Session:
         self._out = outputs
         self._param = param
         self.turns = TurnScheduler(runtime, param, outputs, self.mode.run_turn,
-                                   lambda turn: self.interrupts.after_cancel(turn))
+                                   lambda turn: self.interrupts.after_cancel(turn),
+                                   self.mode.check_turn)
         self.interrupts = Interrupts(runtime, self.turns, self.mode, param, outputs)
         self.home_ready = False
 

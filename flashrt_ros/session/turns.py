@@ -120,17 +120,19 @@ class Turn:
 class TurnScheduler:
     """Admission, queue, cancels and the generation thread (see the module docstring)."""
 
-    def __init__(self, runtime, param, outputs, run_turn, after_cancel):
+    def __init__(self, runtime, param, outputs, run_turn, after_cancel, check_turn):
         """
         Schedule turns over `runtime`.
 
         run_turn(turn, should_stop) runs a turn's generation (the mode's); after_cancel(turn)
-        applies the cancel policy to a cancelled turn and returns what it did.
+        applies the cancel policy to a cancelled turn and returns what it did; check_turn(request)
+        says why a request's own parameters are refused ('' if fine) before start_from runs.
         """
         self._rt = runtime
         self._param = param
         self._out = outputs
         self._run_generation = run_turn
+        self._check_turn = check_turn
         self._after_cancel = after_cancel
         self._cv = threading.Condition()
         self._queue = collections.deque()
@@ -366,7 +368,8 @@ class TurnScheduler:
                                      message=CANCELLED_UNSTARTED, position=position)
             turn.final = [], '', 'interrupted'
             return
-        failure = self._check_save_as(turn.request) or self.start_from(turn)
+        failure = (self._check_save_as(turn.request) or self._check_turn(turn.request)
+                   or self.start_from(turn))
         if failure:
             turn.fail(failure, self._rt.position)
             return

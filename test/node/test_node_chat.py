@@ -56,9 +56,11 @@ def chat_node(tmp_path_factory):
     log = DiagnosticsLog()
 
     def prepare(node):
-        # Configure publishes its stages at once: wait until the log hears the node.
+        # Configure publishes its stages at once: wait until the node's publisher has
+        # matched the log's subscription (discovery runs both ways, not at once).
         deadline = time.monotonic() + 10.0
-        while (log.node.count_publishers('/diagnostics') < 1
+        while ((log.node.count_publishers('/diagnostics') < 1
+                or node._diag_pub.get_subscription_count() < 1)
                and time.monotonic() < deadline):
             time.sleep(0.05)
 

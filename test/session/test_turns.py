@@ -173,6 +173,20 @@ def test_start_from_a_missing_capsule_fails_the_turn(make_session):
     assert session.runtime.state_digest() == digest
 
 
+def test_a_refused_sampling_parameter_leaves_start_from_unapplied(make_session):
+    """A goal whose own parameters are refused changes nothing, not even its start_from."""
+    session, out = make_session()
+    turn = _start(session, _turn('Go.', max_new_tokens=3, save_as='mine', save_tier='host'))
+    assert turn.done.wait(10.0) and turn.result.success, turn.result.message
+    session.restore('home')
+    home = session.runtime.state_digest()
+    bad = _start(session, _turn('Go on.', start_from='mine', temperature=1e-45))
+    assert bad.done.wait(10.0)
+    assert not bad.result.success and 'temperature' in bad.result.message
+    assert not any(e['message'].startswith("start_from 'mine'") for e in out.events)
+    assert session.runtime.state_digest() == home
+
+
 def test_deactivate_publishes_the_final_chunk(make_session):
     """A deactivate stops the running turn, or waits for one that is ending, to its end."""
     session, out = make_session()
