@@ -282,7 +282,7 @@ class Generation:
 
     def _accept(self, token: int) -> bool:
         """Queue the event of sampled `token`; False when the turn ends with it."""
-        rt, s = self._rt, self.sampling
+        s = self.sampling
         if not self.token_ids:
             self.t_first = time.perf_counter()
         if s.eos and token in self.stop_ids:

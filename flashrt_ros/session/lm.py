@@ -30,13 +30,13 @@ class LMMode(Mode):
             self.runtime.prefill(system_prompt)
 
     def _sampling(self, request):
-        """The runtime's sampling keywords of a request (negative: the checkpoint's default)."""
-        return dict(
-            max_new_tokens=int(request.max_new_tokens or self._param('max_new_tokens')),
-            temperature=_or_default(float, request.temperature),
-            top_k=_or_default(int, request.top_k), top_p=_or_default(float, request.top_p),
-            seed=None if request.seed < 0 else int(request.seed),
-            stop=tuple(request.stop) or tuple(self._param('stop_strings')))
+        """Return the runtime's sampling keywords of a request (negative: the default)."""
+        return {
+            'max_new_tokens': int(request.max_new_tokens or self._param('max_new_tokens')),
+            'temperature': _or_default(float, request.temperature),
+            'top_k': _or_default(int, request.top_k), 'top_p': _or_default(float, request.top_p),
+            'seed': None if request.seed < 0 else int(request.seed),
+            'stop': tuple(request.stop) or tuple(self._param('stop_strings'))}
 
     def check_turn(self, request):
         try:

@@ -26,7 +26,9 @@ def _reply(proc):
     client = start_client(proc.name)
     try:
         wait_active(client, proc, timeout=240.0)
-        done = client.generate(PROMPT, max_new_tokens=40, timeout=120.0)
+        # Raw text: a documentation-like prompt continued (a chat reply may end after a few
+        # words at the model's end-of-turn token).
+        done = client.generate(PROMPT, raw=True, max_new_tokens=40, timeout=120.0)
         assert done.result.success, done.result.message
         return list(done.token_ids), done.result.text
     finally:

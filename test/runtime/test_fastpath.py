@@ -2,6 +2,7 @@
 
 from flashrt_ros.runtime.models.builtin import build_builtin
 from flashrt_ros.runtime.models.fastpath import FAMILIES as FAST_FAMILIES
+from flashrt_ros.runtime.tokenizer import ByteTokenizer
 import pytest
 from runtime_harness import FAMILIES, greedy, OTHER_PROMPT, PROMPT
 import torch
@@ -13,8 +14,11 @@ STEPS = 24
 def _hf_greedy(model_id, ids, n):
     """Greedy continuation by transformers' own generate() on a fresh copy of the model."""
     model = build_builtin(model_id.removeprefix('builtin:'), torch.float32)
+    # The runtime never samples the padding ids past the byte tokenizer's vocabulary.
+    padding = list(range(ByteTokenizer.vocab_size, model.config.vocab_size))
     out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False, eos_token_id=None, pad_token_id=0)
+                         do_sample=False, eos_token_id=None, pad_token_id=0,
+                         suppress_tokens=padding)
     return out[0, len(ids):].tolist()
 
 

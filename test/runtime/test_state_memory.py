@@ -54,8 +54,9 @@ def test_a_ring_budget_below_one_entry_keeps_the_live_boundary(make_runtime):
 
 def test_ring_budget_is_validated_and_0_is_unlimited(make_runtime):
     with pytest.raises(ConfigError, match='ring_budget_bytes'):
-        RuntimeConfig(ring_budget_bytes=-1)
-    assert RuntimeConfig().ring_budget_bytes == 256 << 20
+        RuntimeConfig(ring_budget_bytes=-2)
+    assert RuntimeConfig().ring_budget_bytes == -1  # sized from the arena
+    assert RuntimeConfig().sized_budgets(1 << 20)['ring'] == 256 << 20
     rt = make_runtime(rollback_depth=6, ring_budget_bytes=0)
     for _ in range(8):
         rt.prefill([4] * 10)
