@@ -112,11 +112,12 @@ def _run_session(client, report, events):
     fork = client.fork('branch_a', 'branch_b')
     report.line(f'fork branch_a -> branch_b: {fork.latency_ms:.3f} ms, '
                 f'{fork.capsule.size_bytes} bytes')
-    a1 = client.generate(' Go left.', start_from='branch_a', max_new_tokens=8)
-    b1 = client.generate(' Go right.', start_from='branch_b', max_new_tokens=8)
-    a2 = client.generate(' Go left.', start_from='branch_a', max_new_tokens=8)
-    report.line(f'branch_a + "Go left.":  {_shown(a1.result.text, 40)}')
-    report.line(f'branch_b + "Go right.": {_shown(b1.result.text, 40)}')
+    a1 = client.generate(' Go left.', start_from='branch_a', max_new_tokens=32)
+    b1 = client.generate(' Turn right at the door.', start_from='branch_b',
+                         max_new_tokens=32)
+    a2 = client.generate(' Go left.', start_from='branch_a', max_new_tokens=32)
+    report.line(f'branch_a + "Go left.":                {_shown(a1.result.text, 60)}')
+    report.line(f'branch_b + "Turn right at the door.": {_shown(b1.result.text, 60)}')
     report.check(fork.success and a1.token_ids == a2.token_ids,
                  'branch_a continues identically after branch_b ran (independent)')
     report.check(a1.token_ids != b1.token_ids, 'the branches diverge on different input')
