@@ -119,23 +119,13 @@ class GoalRun:
                           text=rest, final=True, stop_reason=result.stop_reason)
 
 
-class ImportRun:
-    """A ~/import_capsule goal in flight: wait for its result or cancel it."""
+class ImportRun(GoalRun):
+    """A ~/import_capsule goal in flight: wait for its result or cancel it (nothing stored)."""
 
     def __init__(self, client, goal_handle, feedback):
         self._client, self._goal_handle = client, goal_handle
         self.feedback = feedback  # ImportCapsule.Feedback messages received so far
         self._result_future = goal_handle.get_result_async() if goal_handle.accepted else None
-
-    @property
-    def accepted(self):
-        """Return True when the node accepted the goal (one import runs at a time)."""
-        return self._goal_handle.accepted
-
-    def cancel(self, timeout=None):
-        """Stop the transfer before its next chunk; nothing is stored."""
-        timeout = self._client.timeout if timeout is None else timeout
-        return self._client._wait(self._goal_handle.cancel_goal_async(), timeout, 'cancel')
 
     def result(self, timeout=None):
         """Wait for the import to end; return (GoalStatus value, ImportCapsule.Result)."""
