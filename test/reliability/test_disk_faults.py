@@ -11,6 +11,7 @@ import time
 
 from flashrt_ros.runtime import Runtime, RuntimeConfig
 from flashrt_ros.runtime.state import disk
+import pytest
 from test_soak import report
 
 KILLS = 5
@@ -65,6 +66,9 @@ def kill_mid_write(capsule_dir, rng):
     return lines
 
 
+# Each writer is a fresh process that loads torch and the model: a loaded machine needs
+# minutes for the five kills, more than the suite's default limit.
+@pytest.mark.timeout(1200)
 def test_sigkill_during_disk_writes(surroundings):
     capsule_dir = surroundings.capsule_dir
     rt = Runtime(RuntimeConfig(capsule_dir=str(capsule_dir), **CONFIG))
