@@ -478,14 +478,16 @@ class Runtime:
     def check_audio(self, samples, sample_rate: int | None = None) -> torch.Tensor:
         """Return mono samples as float32 [N], or raise InvalidRequestError (nothing fed)."""
         self._require_mode(policy=False, speech=True)
-        return check_audio(self.adapter.spec, samples, sample_rate)
+        return check_audio(self.adapter, samples, sample_rate)
 
     def feed_audio(self, samples, sample_rate: int | None = None) -> list[TranscriptEvent]:
         """
         Feed int16 or float32 mono samples of any length; return the completed frames' tokens.
 
         Every completed frame is a committed boundary; the samples of a frame not yet
-        complete wait in the arena. Bad input (rate, shape, type, NaN) or a full utterance
+        complete wait in the arena. sample_rate None is the model's rate; another rate
+        (8-48 kHz) is resampled, and the utterance's first chunk fixes it until reset.
+        Bad input (rate, shape, type, NaN) or a full utterance
         raises InvalidRequestError before the state is touched; a frame that fails in the
         model puts the state back at the last completed frame (a reset with rollback_depth
         0) and raises.
@@ -494,7 +496,7 @@ class Runtime:
         t0 = time.perf_counter()
         with self._lock:
             self._check_idle()
-            events = feed_samples(self, audio)
+            events = feed_samples(self, audio, sample_rate)
             if events:
                 self._control_step_s = (time.perf_counter() - t0) / len(
                     {e.frame for e in events})

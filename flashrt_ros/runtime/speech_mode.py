@@ -5,6 +5,9 @@ feed_audio takes samples of any length; each frame they complete runs the codec 
 one decoder step (the first frame also the utterance's BOS step) and is committed, so
 rollback(k) undoes the last k frames (and any samples of a frame not yet complete). The
 samples of a partial frame are arena state, so a snapshot mid-frame continues exactly.
+Audio at another rate goes through a streaming resampler first (runtime/resample.py); its
+input history is arena state and its counters meta, and the first chunk of an utterance
+fixes its rate (another rate is refused until reset).
 position counts decoder steps (frame count + 1 once the utterance started); the cursor's
 pending token is the text token the next frame's step is fed.
 
@@ -35,12 +38,9 @@ class TranscriptEvent:
     position: int  # the decoder position after the step
 
 
-def check_audio(spec, samples, sample_rate: int | None = None) -> torch.Tensor:
+def check_audio(adapter, samples, sample_rate: int | None = None) -> torch.Tensor:
     """Return mono samples as float32 [N] in [-1, 1], or raise InvalidRequestError."""
-    if sample_rate is not None and int(sample_rate) != spec.sample_rate:
-        raise InvalidRequestError(
-            f'audio at {sample_rate} Hz: the model takes {spec.sample_rate} Hz; resample it '
-            'before sending')
+    adapter.resampler.check_rate(stated_rate(adapter, sample_rate))
     if isinstance(samples, torch.Tensor):
         samples = samples.detach().cpu().numpy()
     array = np.asarray(samples)
@@ -61,29 +61,52 @@ def check_audio(spec, samples, sample_rate: int | None = None) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array))
 
 
+def stated_rate(adapter, sample_rate: int | None) -> int:
+    """Return the rate audio is sent at (None: the model's own)."""
+    return adapter.spec.sample_rate if sample_rate is None else int(sample_rate)
+
+
 def frames_needed(rt, samples: int) -> int:
     """Count the decoder steps `samples` more samples run (the first frame also BOS)."""
     frames = (rt.adapter.samples + samples) // rt.adapter.spec.frame_size
     return frames + (1 if frames and rt.cursor.position == 0 else 0)
 
 
-def feed_samples(rt, audio: torch.Tensor, commit: bool = True) -> list[TranscriptEvent]:
+def feed_samples(rt, audio: torch.Tensor, sample_rate: int | None = None,
+                 commit: bool = True) -> list[TranscriptEvent]:
     """Fold checked samples [N] into the state (lock held; see Runtime.feed_audio)."""
     adapter, cursor = rt.adapter, rt.cursor
-    steps = frames_needed(rt, audio.numel())
+    rate = stated_rate(adapter, sample_rate)
+    adapter.resampler.check_stream(rate)
+    steps = frames_needed(rt, adapter.resampler.count(audio.numel(), rate))
     if cursor.position + steps > rt.config.max_seq_len:
         raise InvalidRequestError(
             f'utterance is full: position {cursor.position} + {steps} frames > max_seq_len '
             f'{rt.config.max_seq_len}; reset() or restore a capsule first, or raise '
             'max_seq_len')
+    return _feed_frames(rt, audio.to(rt.device), rate, commit)
+
+
+def _feed_frames(rt, audio: torch.Tensor, rate: int | None,
+                 commit: bool) -> list[TranscriptEvent]:
+    """
+    Fill the partial frame from samples [N] at `rate`; run and commit each frame completed.
+
+    The resampler takes only the input that completes the frame, so every boundary is the
+    state right after the sample that completed its frame, however the audio was chunked.
+    rate None: model-rate samples that bypass the resampler (silence fed by flush, warmup).
+    """
+    adapter, resampler = rt.adapter, rt.adapter.resampler
     events: list[TranscriptEvent] = []
     frame_size, partial = adapter.spec.frame_size, adapter.partial
-    audio = audio.to(rt.device)
     done = 0
     while done < audio.numel():
-        take = min(audio.numel() - done, frame_size - adapter.samples)
-        partial[adapter.samples:adapter.samples + take].copy_(audio[done:done + take])
-        adapter.samples += take
+        need = frame_size - adapter.samples
+        take = min(audio.numel() - done, need if rate is None else resampler.needed(need, rate))
+        chunk = audio[done:done + take]
+        out = chunk if rate is None else resampler.process(chunk, rate)
+        partial[adapter.samples:adapter.samples + out.numel()].copy_(out)
+        adapter.samples += out.numel()
         done += take
         if adapter.samples < frame_size:
             break
@@ -123,13 +146,22 @@ def _emit(rt, logits: torch.Tensor, fed: int, frame: int) -> TranscriptEvent:
 
 def read_delayed(rt) -> list[TranscriptEvent]:
     """Read the delayed words: feed text-delay silence to a copy; live state unchanged."""
-    spec = rt.adapter.spec
-    frames = math.ceil(spec.text_delay_s * spec.sample_rate / spec.frame_size)
-    silence = frames * spec.frame_size + (spec.frame_size - rt.adapter.samples) % spec.frame_size
-    silence = min(silence, (rt.config.max_seq_len - rt.cursor.position - 1) * spec.frame_size)
+    adapter, spec = rt.adapter, rt.adapter.spec
     saved = rt.codec.capture('flush', 'device')
     try:
-        return feed_samples(rt, torch.zeros(max(silence, 0)), commit=False)
+        events = []
+        resampler = adapter.resampler
+        if resampler.rate and resampler.rate != spec.sample_rate:
+            # the resampler's lookahead: silence at the input rate brings out its last samples
+            tail = torch.zeros(2 * resampler.size, device=rt.device)
+            if rt.cursor.position + frames_needed(
+                    rt, resampler.count(tail.numel(), resampler.rate)) < rt.config.max_seq_len:
+                events += _feed_frames(rt, tail, resampler.rate, False)
+        frames = math.ceil(spec.text_delay_s * spec.sample_rate / spec.frame_size)
+        silence = frames * spec.frame_size + (spec.frame_size - adapter.samples) % spec.frame_size
+        silence = min(silence, (rt.config.max_seq_len - rt.cursor.position - 1) * spec.frame_size)
+        silence = torch.zeros(max(silence, 0), device=rt.device)
+        return events + _feed_frames(rt, silence, None, False)
     finally:
         rt.codec.apply(saved)
 
@@ -137,4 +169,4 @@ def read_delayed(rt) -> list[TranscriptEvent]:
 def warm_speech(rt) -> None:
     """Run two frames of silence from a fresh state (the caller saves and puts back the state)."""
     rt.cursor.position, rt.cursor.pending = 0, None
-    feed_samples(rt, torch.zeros(2 * rt.adapter.spec.frame_size), commit=False)
+    _feed_frames(rt, torch.zeros(2 * rt.adapter.spec.frame_size, device=rt.device), None, False)

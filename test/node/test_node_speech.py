@@ -108,6 +108,21 @@ def test_a_gap_or_a_wrong_rate_is_an_event_and_changes_nothing(speech):
     assert s.client.state_digest() == digest
 
 
+def test_audio_at_16_khz_is_resampled_like_the_runtime_does(speech, reference):
+    s = speech
+    _reset(s)
+    t = np.arange(8 * FRAME * 2 // 3) / 16000  # 8 frames' time at 16 kHz
+    noise = 0.05 * np.random.default_rng(5).standard_normal(t.size)
+    audio = (0.3 * np.sin(2 * np.pi * 300 * t * (1 + t)) + noise).astype(np.float32)
+    reference.reset()
+    expected = [e.token_id for e in reference.feed_audio(audio, 16000) if not e.is_pad]
+    digest = reference.state_digest()
+    for i in range(0, len(audio), 640):
+        s.client.publish_audio(audio[i:i + 640], 16000, i)
+    assert _at(s, reference.position)
+    assert s.words() == expected and s.client.state_digest() == digest
+
+
 def test_interrupt_rolls_back_frames_and_reset_goes_home(speech):
     s = speech
     _reset(s)

@@ -180,7 +180,8 @@ def test_bad_audio_is_refused_and_loses_nothing(stt):
     digest = rt.state_digest()
     bad = [
         (np.full(100, np.nan, dtype=np.float32), None, 'NaN'),
-        (np.zeros(100, dtype=np.float32), 16000, '24000 Hz'),
+        (np.zeros(100, dtype=np.float32), 12345, 'cannot be resampled'),
+        (np.zeros(100, dtype=np.float32), 96000, '8000..48000 Hz'),
         (np.zeros((2, 100), dtype=np.float32), None, 'mono'),
         (np.zeros(100, dtype=np.complex64), None, 'int16 or float32'),
     ]

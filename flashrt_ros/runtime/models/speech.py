@@ -11,11 +11,13 @@ and yields the next text token. All the state between frames lives in the arena:
                         chunk, so ArenaPaddingCache copies into arena views instead);
   * ``codec.L{i}.*``    the encoder transformer's sliding-window KV (CacheBinding);
   * ``dec.L{i}.*``      the decoder's KV (CacheBinding; sliding-window for Kyutai STT);
-  * ``audio.partial``   the samples of a frame not yet complete.
+  * ``audio.partial``   the samples of a frame not yet complete;
+  * ``audio.history``   the resampler's last input samples (audio sent at another rate).
 
 Non-tensor state in the meta: each conv's first-call flag (a replicate-padded conv pads
 its first call with its first sample, later calls with the cached context), the samples in
-the partial frame, and the bindings' sliding-window counters.
+the partial frame, the resampler's rate and counters, and the bindings' sliding-window
+counters.
 
 Loading: ``builtin:tiny-stt`` (seeded random weights; its codebooks are seeded by one
 calibration pass, since transformers initialises Mimi's codebooks to zero and a zero
@@ -38,6 +40,7 @@ from .base import StateAdapter
 from .binding import CacheBinding, module_fingerprint
 from .builtin import SEED, SPEECH_BUILTINS
 from ..errors import ConfigError
+from ..resample import StreamingResampler
 from ..state.arena import StateSpec
 from ..tokenizer import ByteTokenizer, HFTokenizer
 
@@ -116,6 +119,7 @@ class KyutaiSTTAdapter(StateAdapter):
         self.dec_binding = CacheBinding(cfg, max_seq_len, MODEL_TYPE, self._probe_decoder)
         self.samples = 0  # samples in the partial frame (meta)
         self.partial: torch.Tensor | None = None  # [frame_size] arena view
+        self.resampler = StreamingResampler(self.spec.sample_rate)
 
     # ---- probes: one throwaway forward each, to learn the cache tensors ---------------
 
@@ -137,6 +141,8 @@ class KyutaiSTTAdapter(StateAdapter):
         specs += [_renamed(s, 'dec.') for s in self.dec_binding.specs]
         specs.append(StateSpec('audio.partial', 'audio', (self.spec.frame_size,),
                                torch.float32))
+        specs.append(StateSpec('audio.history', 'audio', (self.resampler.size,),
+                               torch.float32))
         return specs
 
     def bind(self, views: dict[str, torch.Tensor]) -> None:
@@ -144,11 +150,13 @@ class KyutaiSTTAdapter(StateAdapter):
         for prefix, binding in (('codec.', self.codec_binding), ('dec.', self.dec_binding)):
             binding.bind({k[len(prefix):]: v for k, v in views.items() if k.startswith(prefix)})
         self.partial = views['audio.partial']
+        self.resampler.history = views['audio.history']
 
     def export_meta(self) -> dict[str, Any]:
         return {'layers': self.dec_binding.export_meta()['layers'],
                 'codec_layers': self.codec_binding.export_meta()['layers'],
-                'conv_started': list(self.padding.started), 'samples': self.samples}
+                'conv_started': list(self.padding.started), 'samples': self.samples,
+                'resample': self.resampler.export_meta()}
 
     def check_meta(self, meta: dict[str, Any]) -> None:
         self.dec_binding.check_meta({'layers': meta['layers']})
@@ -160,18 +168,21 @@ class KyutaiSTTAdapter(StateAdapter):
         samples = meta['samples']
         if type(samples) is not int or not 0 <= samples < self.spec.frame_size:
             raise ValueError(f'samples must be in [0, {self.spec.frame_size})')
+        self.resampler.check_meta(meta['resample'])
 
     def import_meta(self, meta: dict[str, Any]) -> None:
         self.dec_binding.import_meta({'layers': meta['layers']})
         self.codec_binding.import_meta({'layers': meta['codec_layers']})
         self.padding.started[:] = meta['conv_started']
         self.samples = meta['samples']
+        self.resampler.import_meta(meta['resample'])
 
     def reset_meta(self) -> None:
         self.dec_binding.reset_meta()
         self.codec_binding.reset_meta()
         self.padding.started[:] = [False] * len(self.padding.started)
         self.samples = 0
+        self.resampler.reset_meta()
 
     def fingerprint(self) -> str:
         cfg = {k: v for k, v in self.config.to_dict().items()
