@@ -87,17 +87,18 @@ def ros_ready():
 
 
 @contextlib.contextmanager
-def running_node(workdir, capsule_dir, params=None):
-    """Start flashrt_node with `params` (NODE_PARAMS); yield (process, client) once active."""
+def running_node(workdir, capsule_dir, params=None, name='flashrt'):
+    """Start flashrt_node `name` with `params` (NODE_PARAMS); yield (process, client)."""
     if not ros_ready():
         pytest.skip('rclpy, the generated interfaces or the installed flashrt_node are '
                     'missing; run through `make reliability`')
     from flashrt_ros.client import FlashRTClient
     from flashrt_ros.node_process import NodeProcess
-    proc = NodeProcess(str(workdir), dict(params or NODE_PARAMS, capsule_dir=str(capsule_dir)))
+    proc = NodeProcess(str(workdir), dict(params or NODE_PARAMS, capsule_dir=str(capsule_dir)),
+                       name=name)
     client = None
     try:
-        client = FlashRTClient('flashrt', timeout=20.0)
+        client = FlashRTClient(name, timeout=20.0)
         if not client.wait_until_active(timeout=120.0):
             pytest.fail(f'the node did not become active; log:\n{proc.log()[-4000:]}')
         yield proc, client

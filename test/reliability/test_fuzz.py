@@ -175,7 +175,9 @@ RESENDS = 4
 def test_fuzz_observations(tmp_path, surroundings):
     rng = random.Random(SEED)
     counts = {'refused': 0, 'stepped': 0, 'resent': 0}
-    with running_node(tmp_path / 'node', surroundings.capsule_dir, POLICY_PARAMS) as (_, client):
+    # Its own name: the module's language-model node is still up on this domain.
+    with running_node(tmp_path / 'node', surroundings.capsule_dir, POLICY_PARAMS,
+                      name='flashrt_policy') as (_, client):
         assert client.wait_for_subscribers(10.0)
         outcomes, arrived = [], threading.Semaphore(0)
 
