@@ -188,7 +188,7 @@ def resolve_model(model_id: str) -> str:
 
 
 def _load_local(path: Path, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     if not path.is_dir():
         raise ConfigError(
@@ -201,8 +201,15 @@ def _load_local(path: Path, dtype: torch.dtype):
     generation = generation_defaults(path)
     eos_ids = _id_list(model.config.get_text_config(decoder=True).eos_token_id) + (
         generation.eos_ids)
+    return model, checkpoint_tokenizer(path, eos_ids), generation
+
+
+def checkpoint_tokenizer(path: Path, eos_ids=()):
+    """Return the tokenizer saved next to a checkpoint's weights (ConfigError if none)."""
     if ByteTokenizer.saved_in(path):
-        return model, ByteTokenizer(), generation
+        return ByteTokenizer()
+    from transformers import AutoTokenizer
+
     try:
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:
@@ -210,7 +217,7 @@ def _load_local(path: Path, dtype: torch.dtype):
             f'checkpoint {str(path)!r} has no usable tokenizer ({exc}); '
             'save one with tokenizer.save_pretrained() next to the weights'
         ) from exc
-    return model, HFTokenizer(tok, eos_ids), generation
+    return HFTokenizer(tok, tuple(eos_ids))
 
 
 def save_builtin(model_id: str, directory: str | Path, dtype: torch.dtype = torch.float32) -> Path:

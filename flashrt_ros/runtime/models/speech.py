@@ -39,10 +39,11 @@ import torch
 from .base import StateAdapter
 from .binding import CacheBinding, module_fingerprint
 from .builtin import SEED, SPEECH_BUILTINS
+from .hf import checkpoint_tokenizer
 from ..errors import ConfigError
 from ..resample import StreamingResampler
 from ..state.arena import StateSpec
-from ..tokenizer import ByteTokenizer, HFTokenizer
+from ..tokenizer import ByteTokenizer
 
 MODEL_TYPE = 'kyutai_speech_to_text'
 CALIBRATION_FRAMES = 64  # frames of seeded audio the built-in's codebooks are drawn from
@@ -293,7 +294,7 @@ def load_speech(model_id: str, device: torch.device, dtype: torch.dtype,
 
 
 def _load_local(path: Path, dtype: torch.dtype):
-    from transformers import AutoTokenizer, KyutaiSpeechToTextForConditionalGeneration
+    from transformers import KyutaiSpeechToTextForConditionalGeneration
 
     try:
         model = KyutaiSpeechToTextForConditionalGeneration.from_pretrained(
@@ -306,15 +307,7 @@ def _load_local(path: Path, dtype: torch.dtype):
         delay = float(pre.get('audio_delay_seconds', delay))
     except (OSError, ValueError, TypeError):
         pass
-    if ByteTokenizer.saved_in(path):
-        return model, ByteTokenizer(), delay
-    try:
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except Exception as exc:
-        raise ConfigError(
-            f'checkpoint {str(path)!r} has no usable tokenizer ({exc}); save one with '
-            'tokenizer.save_pretrained() next to the weights') from exc
-    return model, HFTokenizer(tok, ()), delay
+    return model, checkpoint_tokenizer(path), delay
 
 
 def save_speech_builtin(model_id: str, directory: str | Path) -> Path:
