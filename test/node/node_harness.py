@@ -75,6 +75,8 @@ def set_parameter(client, name, value):
         value = ParameterValue(type=ParameterType.PARAMETER_BOOL, bool_value=value)
     elif isinstance(value, int):
         value = ParameterValue(type=ParameterType.PARAMETER_INTEGER, integer_value=value)
+    elif isinstance(value, float):
+        value = ParameterValue(type=ParameterType.PARAMETER_DOUBLE, double_value=value)
     else:
         value = ParameterValue(type=ParameterType.PARAMETER_STRING, string_value=value)
     cli = client.node.create_client(SetParameters, f'{client.base}/set_parameters')

@@ -169,6 +169,10 @@ class _Tamperer:
         self._executor.add_node(self.node)
         self._thread = threading.Thread(target=self._executor.spin, daemon=True)
         self._thread.start()
+        # Discovery of the left node by this new participant must not eat into the
+        # receiver's transfer_timeout on a loaded machine.
+        for client in (self._manifest, self._chunk):
+            assert client.wait_for_service(timeout_sec=30.0), client.srv_name
 
     def _forward(self, client, request):
         assert client.wait_for_service(timeout_sec=10.0)
@@ -206,9 +210,13 @@ def test_corrupted_chunk_refused_at_the_checksum(nodes, context):
     assert right.restore(HOME).success
     digest, before = right.state_digest(), _listing(right)
     tamperer = _Tamperer()
+    # Each relayed call is two DDS round trips; give them more than the 3 s the killed-sender
+    # test relies on.
+    assert set_parameter(right, 'transfer_timeout', 15.0).successful
     try:
         result = right.import_capsule('/tamper/flashrt', 'ctx', name='tampered', tier='host')
     finally:
+        set_parameter(right, 'transfer_timeout', MODEL['transfer_timeout'])
         tamperer.close()
     assert tamperer.flipped == 1, result.message
     assert not result.success and 'failed its checksum' in result.message, result.message
