@@ -189,6 +189,7 @@ def diagnostic_status(name, state_label, session, stage=''):
             values['cuda_graph'] = stats.cuda_graph
             values['disk_temp_bytes'] = stats.disk_temp_bytes
             values['kernels'] = ', '.join(stats.kernels) or 'none'
+            values['cpu_step'] = stats.cpu_step_note or 'on'
             values.update(speculation_values(stats.speculation))
             values.update(session.mode.diagnostics(stats))
             if state_label == 'active':

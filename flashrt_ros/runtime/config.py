@@ -55,6 +55,10 @@ class RuntimeConfig:
     speculation: bool = False
     speculative_tokens: int = 2  # drafts per round, 1..3
     speculative_verify: str = 'batched'  # "batched" | "sequential" (bit-exact with plain)
+    # Decode Qwen3-Next / Qwen3.5 float32 models on a CPU with the compiled step
+    # (models/cpu_step.c: needs a C compiler at first start); False: torch ops, bit-identical
+    # with transformers' forward.
+    cpu_step: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -80,6 +84,8 @@ class RuntimeConfig:
             raise ConfigError('cuda_graphs must be true or false')
         if not isinstance(self.capsule_dir, str) or not self.capsule_dir:
             raise ConfigError('capsule_dir must be a non-empty directory path')
+        if not isinstance(self.cpu_step, bool):
+            raise ConfigError('cpu_step must be true or false')
         if not isinstance(self.speculation, bool):
             raise ConfigError('speculation must be true or false')
         if self.speculative_verify not in VERIFY_STRATEGIES:

@@ -112,7 +112,8 @@ class Runtime:
         if adapter is None:
             progress(f'loading {config.model} ({dtype_name(self.dtype)}) on {self.device}')
             load = (load_policy if policy else
-                    load_speech if is_speech_model(model) else load_adapter)
+                    load_speech if is_speech_model(model) else
+                    functools.partial(load_adapter, cpu_step=config.cpu_step))
             adapter = load(config.model, self.device, self.dtype, config.max_seq_len)
         adapter.check_device(self.device)  # a user's module may still be elsewhere
         # Speculation: the MTP head's state joins the arena (and every capsule) or it says why
@@ -757,6 +758,8 @@ class Runtime:
             cuda_graph_note=None if closed else self.engine.graph_error,
             decode_fastpath_note=None if closed else getattr(
                 self.adapter, 'fastpath_note', 'this adapter has no decode fast path'),
+            cpu_step_note=None if closed else getattr(
+                self.adapter, 'cpu_step_note', 'this adapter has no compiled CPU step'),
             cuda_graph_replays=0 if closed else self.engine.replays,
             kernels=() if closed else tuple(self.adapter.kernels),
             control_step_s=self._control_step_s if self.is_policy or self.is_speech else None,

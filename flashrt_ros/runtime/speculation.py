@@ -115,14 +115,12 @@ class Speculator:
             return []
         a, rt = self.adapter, self.rt
         layer = a.layer
-        token = torch.tensor([[pending]], device=rt.device)
-        hidden = a.hidden.view(1, 1, -1)
+        token, hidden = pending, a.hidden.view(1, -1)
         drafts = []
         for j in range(k):
             with abortable_forward(rt), guarded_forward(rt):
-                hidden = a.draft_step(token, hidden, position + j)  # [1, 1, H]
-                drafts.append(int(a.lm_head(hidden)[0, -1].argmax()))
-            token = torch.tensor([[drafts[-1]]], device=rt.device)
+                token, hidden = a.draft(token, hidden, position + j)  # hidden [1, H]
+            drafts.append(token)
         # A captured decode graph writes x's row itself: then none of the rows is kept.
         keep = 1 if rt.engine.graph is None else 0
         self._zero_head_rows(position + keep, position + k)
@@ -145,9 +143,62 @@ class Speculator:
                 return j
         raise AssertionError('unreachable')
 
+    def _accepted(self, tokens: list[int], best: list[int], accept) -> int:
+        """Hand out the verified tokens up to the first miss; return the drafts accepted."""
+        n, accepted = len(tokens), 0
+        for j in range(n):
+            accepted = j
+            if not accept(best[j]) or j == n - 1 or best[j] != tokens[j + 1]:
+                break
+        return accepted
+
     @torch.inference_mode()
     def _batched(self, drafts: list[int], accept) -> int:
-        """Verify all drafts in one forward; on a miss restore the head and feed the rest."""
+        """Verify all drafts in one forward; commit the state of the accepted prefix."""
+        if self.adapter.compiled():
+            return self._compiled(drafts, accept)
+        return self._batched_torch(drafts, accept)
+
+    def _compiled(self, drafts: list[int], accept) -> int:
+        """
+        Verify compiled: one call over x, d_1..d_k that keeps each token's state.
+
+        Its logits and state are bit for bit those of single compiled steps (cpu_step.c), so
+        the committed state is exactly plain greedy decoding's. The head rows of the consumed
+        tokens are written after the verify, from the main model's hiddens, in one call.
+        """
+        rt, a = self.rt, self.adapter
+        arena, cursor, main = rt.arena, rt.cursor, a.inner.cpu_step
+        position, tokens = cursor.position, [cursor.pending] + drafts
+        n = len(tokens)
+        cursor.extent = max(cursor.extent, position + n)
+        with abortable_forward(rt), guarded_forward(rt):
+            logits, hidden = main.forward(tokens, position, save=True)  # [n, V], [n, H]
+            best = _greedy(logits)
+        accepted = self._accepted(tokens, best, accept)
+        used = accepted + 1
+        with guarded_forward(rt):
+            main.keep_prefix(used, n)
+            arena.storage[arena.prefix_nbytes(position + used):
+                          arena.prefix_nbytes(position + n)].zero_()
+            # The head rows of the consumed tokens (x's when no draft of the head wrote it)
+            first = 1 if a.skip_first_upkeep else 0
+            if used > first:
+                prev = (hidden[:used - 1] if first else
+                        torch.cat([a.hidden.view(1, -1), hidden[:used - 1]]))
+                a.cpu_head.forward(tokens[first:used], prev, position + first, logits=False)
+            a.skip_first_upkeep = False
+            a.commit_hidden(hidden[used - 1], position + used)
+            rt.engine.logits.copy_(logits[used - 1])
+        arena.views['tokens'][position:position + used].copy_(
+            torch.tensor(tokens[:used], dtype=torch.int32))
+        cursor.position += used
+        cursor.pending = best[accepted]
+        return accepted
+
+    @torch.inference_mode()
+    def _batched_torch(self, drafts: list[int], accept) -> int:
+        """Verify with torch: on a miss restore the head and feed the accepted tokens again."""
         rt, a = self.rt, self.adapter
         arena, cursor = rt.arena, rt.cursor
         position, tokens = cursor.position, [cursor.pending] + drafts
@@ -161,11 +212,7 @@ class Speculator:
             hidden = a.forward_hidden(ids, kv_len=position + n)  # [1, n, H]
             logits = a.lm_head(hidden)[0].float()  # [n, V]
             best = _greedy(logits)
-        accepted = 0
-        for j in range(n):
-            accepted = j
-            if not accept(best[j]) or j == n - 1 or best[j] != tokens[j + 1]:
-                break
+        accepted = self._accepted(tokens, best, accept)
         used = accepted + 1
         if used == n:
             rt.engine.logits.copy_(logits[-1])

@@ -62,6 +62,9 @@ class RuntimeStats:
     # Why single-token steps do not take the decode fast path (models/fastpath.py); None
     # when they do
     decode_fastpath_note: str | None = None
+    # Why single-token steps do not run the compiled CPU step (models/cpu_step.py); None
+    # when they do
+    cpu_step_note: str | None = None
     # Speculative decoding: {'enabled': False, 'note': why} or its rounds, mean tokens per
     # round (mean_accepted_length) and acceptance_by_depth (runtime/speculation.py)
     speculation: dict | None = None

@@ -19,3 +19,14 @@ def greedy(rt, n=10, prompt=None, **kw):
     kw.setdefault('eos', False)
     gen = rt.generate(prompt=prompt, max_new_tokens=n, **kw)
     return [ev.token_id for ev in gen]
+
+
+def decode_steps(rt, n):
+    """Run n greedy single-token steps through the engine; return the logits and the digest."""
+    out = []
+    for _ in range(n):
+        token = rt.engine.sample(0.0, 0, 1.0, rt.generator)
+        rt.engine.decode(token, rt.position)
+        rt.cursor.position += 1
+        out.append(rt.engine.logits.clone())
+    return out, rt.state_digest()

@@ -1,10 +1,10 @@
-"""The decode fast path: token-identical to transformers' generate(), byte-exact state."""
+"""The exact decode fast path (cpu_step off): transformers' generate() tokens and bits."""
 
 from flashrt_ros.runtime.models.builtin import build_builtin
 from flashrt_ros.runtime.models.fastpath import FAMILIES as FAST_FAMILIES
 from flashrt_ros.runtime.tokenizer import ByteTokenizer
 import pytest
-from runtime_harness import FAMILIES, greedy, OTHER_PROMPT, PROMPT
+from runtime_harness import decode_steps, FAMILIES, greedy, OTHER_PROMPT, PROMPT
 import torch
 
 FAST = ['builtin:tiny-hybrid', 'builtin:tiny-qwen3-5']
@@ -22,23 +22,14 @@ def _hf_greedy(model_id, ids, n):
     return out[0, len(ids):].tolist()
 
 
-def _steps(rt, n):
-    """Greedy single-token steps: the logits (bit patterns) and digest after each."""
-    out = []
-    for _ in range(n):
-        token = rt.engine.sample(0.0, 0, 1.0, rt.generator)
-        rt.engine.decode(token, rt.position)
-        rt.cursor.position += 1
-        out.append(rt.engine.logits.clone())
-    return out, rt.state_digest()
-
-
+@pytest.mark.parametrize('cpu_step', [True, False])
 @pytest.mark.parametrize('model', FAMILIES)
-def test_greedy_decode_matches_transformers_generate(make_runtime, model):
-    rt = make_runtime(model)
+def test_greedy_decode_matches_transformers_generate(make_runtime, model, cpu_step):
+    rt = make_runtime(model, cpu_step=cpu_step)
     expects_fast = model in FAST
     assert (rt.adapter.fastpath is not None) == expects_fast, rt.adapter.fastpath_note
     assert (rt.stats().decode_fastpath_note is None) == expects_fast
+    assert (rt.adapter.cpu_step is not None) == (expects_fast and cpu_step)
     before = rt.engine.replays
     ids = rt.tokenize(PROMPT)
     assert greedy(rt, STEPS, prompt=PROMPT) == _hf_greedy(model, ids, STEPS)
@@ -47,7 +38,7 @@ def test_greedy_decode_matches_transformers_generate(make_runtime, model):
 
 @pytest.mark.parametrize('model', FAST)
 def test_fastpath_writes_the_same_bytes_as_transformers(make_runtime, model):
-    fast, slow = make_runtime(model, max_seq_len=600), make_runtime(model, max_seq_len=600)
+    fast, slow = (make_runtime(model, max_seq_len=600, cpu_step=False) for _ in range(2))
     slow.adapter.fastpath = None  # every step through transformers' forward
     for rt in (fast, slow):
         rt.prefill(PROMPT * 8)  # past one attention window (binding.WINDOW_QUANTUM)
@@ -55,8 +46,8 @@ def test_fastpath_writes_the_same_bytes_as_transformers(make_runtime, model):
     calls = []
     step = fast.adapter.fastpath.step
     fast.adapter.fastpath.step = lambda *a: calls.append(1) or step(*a)
-    logits_fast, digest_fast = _steps(fast, STEPS)
-    logits_slow, digest_slow = _steps(slow, STEPS)
+    logits_fast, digest_fast = decode_steps(fast, STEPS)
+    logits_slow, digest_slow = decode_steps(slow, STEPS)
     assert len(calls) == STEPS
     for i, (a, b) in enumerate(zip(logits_fast, logits_slow)):
         assert torch.equal(a, b), f'step {i}: logits differ by {(a - b).abs().max()}'
@@ -78,7 +69,7 @@ def test_fastpath_continues_exactly_after_restore_and_rollback(make_runtime):
 
 
 def test_first_token_on_an_empty_state_takes_transformers_path(make_runtime):
-    rt = make_runtime('builtin:tiny-qwen3-5')
+    rt = make_runtime('builtin:tiny-qwen3-5', cpu_step=False)
     assert not rt.adapter.decode_ready()  # no previous state: the next step is a prefill
     calls = []
     step = rt.adapter.fastpath.step

@@ -106,11 +106,43 @@ def test_batched_rounds_are_token_identical_in_fp32(make_runtime, model, kind):
         assert set(rt.speculator.trace) == set(range(K + 1))
 
 
+@pytest.mark.parametrize('model,kind', [(MODELS[0], 'right'), (MODELS[0], 'wrong'),
+                                        (MODELS[0], 'mixed'), (MODELS[1], 'mixed')])
+def test_compiled_batched_rounds_are_plain_greedy_at_every_commit(make_runtime, model, kind):
+    # The compiled verify's logits and kept states are bit for bit single compiled steps'.
+    ids, digests = plain_trace(spec_runtime(make_runtime, model=model))
+    rt = spec_runtime(make_runtime, verify='batched', model=model)
+    assert rt.adapter.compiled()
+    rt.speculator.script = scripted(ids, kind)
+    calls, compiled = [], rt.speculator._compiled
+    rt.speculator._compiled = lambda *a: calls.append(1) or compiled(*a)
+    seen = record_rounds(rt)
+    assert greedy(rt, N, PROMPT) == ids[-N:]
+    assert calls and seen and all(d == digests[p] for p, d in seen)
+    if kind == 'mixed':
+        assert set(rt.speculator.trace) == set(range(K + 1))
+
+
+def test_a_watched_model_verifies_with_torch_and_keeps_its_tokens(make_runtime):
+    ids, _ = plain_trace(spec_runtime(make_runtime))
+    rt = spec_runtime(make_runtime, verify='batched')
+    rt.speculator.script = scripted(ids, 'mixed')
+    calls, torch_verify = [], rt.speculator._batched_torch
+    rt.speculator._batched_torch = lambda *a: calls.append(1) or torch_verify(*a)
+    handle = rt.adapter.head.fc.register_forward_hook(lambda m, a, out: None)
+    try:
+        assert not rt.adapter.compiled()
+        assert greedy(rt, N, PROMPT) == ids[-N:]
+    finally:
+        handle.remove()
+    assert calls and rt.adapter.compiled()
+
+
 def test_batched_rejected_round_is_byte_identical_to_a_plain_step(make_runtime):
     # All drafts wrong: the round restores the head, zeroes the rows and feeds x alone,
     # which is the plain step's forward.
-    ids, digests = plain_trace(spec_runtime(make_runtime))
-    rt = spec_runtime(make_runtime, verify='batched')
+    ids, digests = plain_trace(spec_runtime(make_runtime, cpu_step=False))
+    rt = spec_runtime(make_runtime, verify='batched', cpu_step=False)
     rt.speculator.script = scripted(ids, 'wrong')
     seen = record_rounds(rt)
     assert greedy(rt, N, PROMPT) == ids[-N:]
@@ -130,18 +162,23 @@ def test_mtp_drafts_decode_like_plain_greedy(make_runtime, verify):
         assert ref.state_digest() == rt.state_digest()
 
 
+@pytest.mark.parametrize('compiled', [True, False])
 @pytest.mark.parametrize('model', MODELS)
-def test_cached_head_matches_the_whole_sequence_reference(make_runtime, model):
-    rt = spec_runtime(make_runtime, model=model)
+def test_cached_head_matches_the_whole_sequence_reference(make_runtime, model, compiled):
+    rt = spec_runtime(make_runtime, model=model, cpu_step=compiled)
     a = rt.adapter
+    assert a.compiled() == compiled
     ids = rt.tokenize(PROMPT)
     main_ref, mtp_ref = sequence_logits(a.model, a.head, torch.tensor([ids]))
     # Token by token: each position drafts from the state, then consumes the token.
     rt.prefill(ids[:1])
     drafts = []
     for p in range(1, len(ids)):
-        hidden = a.draft_step(torch.tensor([[ids[p]]]), a.hidden.view(1, 1, -1), p)
-        drafts.append(a.lm_head(hidden)[0, -1])
+        if compiled:
+            drafts.append(a.cpu_head.forward([ids[p]], a.hidden.view(1, -1), p)[0][0].clone())
+        else:
+            hidden = a.draft_step(torch.tensor([[ids[p]]]), a.hidden.view(1, 1, -1), p)
+            drafts.append(a.lm_head(hidden)[0, -1])
         a.skip_first_upkeep = True  # the draft wrote the head row of ids[p]
         rt.prefill(ids[p:p + 1])
     torch.testing.assert_close(torch.stack(drafts), mtp_ref[0], rtol=1e-4, atol=1e-4)

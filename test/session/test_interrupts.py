@@ -47,13 +47,16 @@ def test_the_event_comes_after_the_turn_with_the_restores_latency(make_session, 
     session, out = make_session()
     home = session.runtime.state_digest()
     prompt_end = session.runtime.position + len(session.runtime.tokenize(LONG_PROMPT))
+    running = out.hold('chunk:2')  # the interrupt lands while the turn runs
     final = out.hold('final')  # the interrupted turn is slow to end
     turn = _start(session)
-    assert wait_until(lambda: len(out.chunks) >= 2)
+    assert running.reached.wait(10.0)
     received = time.time()
     thread = threading.Thread(target=session.interrupts.apply, args=(
         'interrupt', mode, 1, HOME, 'chained', received))
     thread.start()
+    assert wait_until(lambda: turn.cancel_requested or session.turns.should_stop(turn))
+    running.opened.set()
     assert final.reached.wait(10.0)
     time.sleep(0.2)
     assert not [e for e in out.events if e['operation'] == 'interrupt'], 'event before the end'

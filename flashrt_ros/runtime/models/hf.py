@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from . import cpu_step
 from .base import CausalLMAdapter
 from .binding import BindingDelegate, CacheBinding, module_fingerprint, PROBE_TOKENS
 from .fastpath import DecodeFastPath, refusal
@@ -104,7 +105,7 @@ class HFCausalLMAdapter(BindingDelegate, CausalLMAdapter):
     """A transformers causal LM running over a StaticCache bound to arena views."""
 
     def __init__(self, model, tokenizer, max_seq_len: int, model_id: str,
-                 generation: GenerationDefaults = GenerationDefaults()):
+                 generation: GenerationDefaults = GenerationDefaults(), use_cpu_step=True):
         self.model = model.eval()
         self.generation = generation
         for p in self.model.parameters():
@@ -122,6 +123,11 @@ class HFCausalLMAdapter(BindingDelegate, CausalLMAdapter):
         self.cache = self.binding.cache
         self.fastpath: DecodeFastPath | None = None  # built in bind(), when the model allows
         self.fastpath_note = refusal(self.model, self.config)  # why not (None: it is used)
+        # The compiled CPU step (models/cpu_step.py) runs decode steps nothing observes.
+        self.cpu_step: cpu_step.CpuDecode | None = None
+        self.cpu_step_note = ('off (cpu_step: false)' if not use_cpu_step else
+                              None if self.fastpath_note is None else
+                              f'no decode fast path: {self.fastpath_note}')
 
     @torch.inference_mode()
     def _probe(self, cache) -> None:
@@ -134,6 +140,10 @@ class HFCausalLMAdapter(BindingDelegate, CausalLMAdapter):
         super().bind(views)
         if self.fastpath_note is None:
             self.fastpath = DecodeFastPath(self.model, self.config, views, self.max_seq_len)
+        if self.cpu_step_note is None:
+            self.cpu_step_note = cpu_step.refusal(self.model, self.config, views)
+        if self.cpu_step_note is None:
+            self.cpu_step = cpu_step.CpuDecode(self.model, views, self.max_seq_len)
 
     @property
     def has_sliding_layers(self) -> bool:
@@ -154,6 +164,8 @@ class HFCausalLMAdapter(BindingDelegate, CausalLMAdapter):
     def forward(self, input_ids: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
         if (self.fastpath is not None and kv_len is not None and input_ids.shape[1] == 1
                 and self.binding.decode_ready()):
+            if self.cpu_step is not None and not self.cpu_step.observed():
+                return self.cpu_step.step(int(input_ids), kv_len)
             return self.fastpath.step(input_ids, kv_len)
         self.binding.set_window(kv_len)
         out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=1)
@@ -168,7 +180,8 @@ class HFCausalLMAdapter(BindingDelegate, CausalLMAdapter):
 
 
 def load_adapter(
-    model_id: str, device: torch.device, dtype: torch.dtype, max_seq_len: int
+    model_id: str, device: torch.device, dtype: torch.dtype, max_seq_len: int,
+    cpu_step: bool = True
 ) -> HFCausalLMAdapter:
     """Load `default`, `builtin:<id>` or a local checkpoint directory (never downloads)."""
     if model_id.startswith('builtin:'):
@@ -179,7 +192,8 @@ def load_adapter(
     else:
         path = Path(resolve_model(model_id)).expanduser()
         model, tokenizer, generation = _load_local(path, dtype)
-    return HFCausalLMAdapter(model.to(device), tokenizer, max_seq_len, model_id, generation)
+    return HFCausalLMAdapter(model.to(device), tokenizer, max_seq_len, model_id, generation,
+                             use_cpu_step=cpu_step)
 
 
 def resolve_model(model_id: str) -> str:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from . import cpu_step
 from .base import CausalLMAdapter
 from .binding import CacheBinding, module_fingerprint, PROBE_TOKENS
 from .mtp import MTPHead
@@ -92,6 +93,7 @@ class MTPAdapter(CausalLMAdapter):
         # Set by a round whose first draft already wrote the head row of the first token.
         self.skip_first_upkeep = False
         self.last_hidden: torch.Tensor | None = None  # [1, T, H] of the last forward
+        self.cpu_head: cpu_step.CpuHead | None = None  # built in bind() with the main's
 
     # ---- the state contract ------------------------------------------------------------
 
@@ -113,6 +115,16 @@ class MTPAdapter(CausalLMAdapter):
         self.layer.keys, self.layer.values = own['L0.key'][:, :, 1:], own['L0.value'][:, :, 1:]
         self.layer.max_cache_len = self.binding.max_len = self.max_seq_len - 1
         self.hidden, self.meta = views[HIDDEN], views[META]  # [H], [2] int64
+        main = self.inner.cpu_step
+        if main is not None and cpu_step.CpuHead.refusal(self.head) is None:
+            self.cpu_head = cpu_step.CpuHead(self.head, main, self.layer.keys,
+                                             self.layer.values, own['L0.length'],
+                                             self.binding.max_len)
+
+    def compiled(self) -> bool:
+        """Whether the main model and the head run their steps compiled now (cpu_step.py)."""
+        return (self.cpu_head is not None and not self.inner.cpu_step.observed()
+                and not self.cpu_head.observed())
 
     def export_meta(self) -> dict[str, Any]:
         return self.inner.export_meta()
@@ -179,6 +191,32 @@ class MTPAdapter(CausalLMAdapter):
         return self._head_forward(token, prev, self.binding.cache, rows)
 
     @torch.inference_mode()
+    def draft(self, token: int, prev: torch.Tensor, row: int) -> tuple[int, torch.Tensor]:
+        """One head step at arena row `row` after hidden prev [1, H]: (draft, its hidden)."""
+        if self.compiled():
+            logits, hidden = self.cpu_head.forward((token,), prev, row)
+            return int(logits[0].argmax()), hidden
+        ids = torch.tensor([[token]], device=self.device)
+        hidden = self.draft_step(ids, prev.view(1, 1, -1), row)  # [1, 1, H]
+        return int(self.lm_head(hidden)[0, -1].argmax()), hidden.view(1, -1)
+
+    def _compiled_step(self, token: int, kv_len: int) -> torch.Tensor:
+        """Run a decode step of main and head compiled; return the main's logits."""
+        logits, hidden = self.inner.cpu_step.forward((token,), kv_len - 1)
+        if self.skip_first_upkeep:
+            self.skip_first_upkeep = False
+        else:
+            self.cpu_head.forward((token,), self.hidden.view(1, -1), kv_len - 1, logits=False)
+        self.commit_hidden(hidden[0], kv_len)
+        return logits
+
+    def commit_hidden(self, hidden: torch.Tensor, kv_len: int) -> None:
+        """Record the main's hidden [H] of the token before position kv_len."""
+        self.hidden.copy_(hidden)
+        self.meta[0].fill_(kv_len)
+        self.meta[1].copy_(self.layer.cumulative_length)
+
+    @torch.inference_mode()
     def forward_hidden(self, input_ids: torch.Tensor, kv_len: int | None) -> torch.Tensor:
         """
         Consume input_ids [1, T] into the main and head state; return post-norm hiddens.
@@ -207,6 +245,9 @@ class MTPAdapter(CausalLMAdapter):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
+        if (kv_len is not None and kv_len > 1 and input_ids.shape[1] == 1
+                and self.inner.binding.decode_ready() and self.compiled()):
+            return self._compiled_step(int(input_ids), kv_len)
         hidden = self.forward_hidden(input_ids, kv_len)
         return self.lm_head(hidden[:, -1:])[:, -1]  # [1, V], as the causal LM slices it
 

@@ -1,0 +1,336 @@
+/*
+ * Tokens of a Qwen3-Next / Qwen3.5 hybrid (and its MTP head) through the model on the CPU,
+ * float32, one layer per call, reading the model's own weight tensors and writing the state
+ * in place into the arena views. cpu_step.py builds the structs and compiles this file.
+ *
+ * Why: on a CPU a decode step is a chain of matrix-vector products that should run at
+ * memory bandwidth, plus a few hundred tiny ops. The BLAS behind torch runs a
+ * matrix-vector product on one thread and, on some CPUs, well below bandwidth, and torch's
+ * per-op dispatch dominates small models. The arithmetic is the model's (transformers'
+ * reference code); the summation order is not, so results agree with transformers to
+ * float32 rounding, not bit for bit.
+ *
+ * A call takes T tokens in order. Every output element is computed by the same code
+ * whatever T is (each weight row meets each token in its own dot product), so T tokens in
+ * one call give the same bits as T one-token calls: a speculative verify is exact by
+ * construction, and reads each weight once for all its tokens.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Below this many multiply-adds a loop stays on the calling thread: waking the pool costs
+ * more than the work (and much more when another process holds the other cores). */
+#define PARALLEL_MIN 262144L
+#define LANES 16
+
+struct fr_layer {
+    int64_t kind;  /* 0: gated DeltaNet, 1: gated attention */
+    int64_t hidden, inter, nthreads;
+    float eps, pad0;
+    const float *in_norm, *post_norm;     /* [H] each, with the model's 1 + w folded in */
+    const float *w_gate, *w_up, *w_down;  /* [I, H], [I, H], [H, I] */
+    float *scratch;                       /* cpu_step.py: CpuModel.scratch_floats */
+    /* gated DeltaNet */
+    const float *w_proj[4];               /* projections whose outputs are concatenated */
+    int64_t proj_rows[4];
+    const int32_t *proj_perm;             /* [P] to canonical q|k|v|z|b|a order, or NULL */
+    const float *conv_w, *conv_b;         /* [C, K], [C] or NULL */
+    float *conv_state;                    /* [C, K] arena view */
+    int64_t conv_k, hk, hv, dk, dv;
+    const float *neg_a, *dt_bias;         /* [Hv]: -exp(A_log), dt_bias */
+    const float *gate_norm;               /* [Dv] */
+    float *recurrent;                     /* [Hv, Dk, Dv] arena view */
+    const float *w_out;                   /* [H, Hv * Dv] */
+    /* gated attention */
+    const float *w_q, *w_k, *w_v, *w_o;   /* [Hq*2D, H], [Hkv*D, H] x2, [H, Hq*D] */
+    const float *q_norm, *k_norm;         /* [D], 1 + w folded in */
+    const float *inv_freq;                /* [R/2] */
+    int64_t hq, hkv, hd, rot, rope_offset;
+    float scaling, rope_scale;
+    float *keys, *values;                 /* arena views: [Hkv, max_len, D] */
+    int64_t head_stride, seq_stride;      /* in floats, the same for keys and values */
+    int64_t *length;                      /* the layer's cumulative length counter */
+};
+
+static inline float dot(const float *a, const float *b, int64_t n)
+{
+    float acc[LANES] = {0};
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int l = 0; l < LANES; l++)
+            acc[l] += a[j + l] * b[j + l];
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++)
+            acc[l] += acc[l + w];
+    float s = acc[0];
+    for (; j < n; j++)
+        s += a[j] * b[j];
+    return s;
+}
+
+/* y[t, n] = W[n, k] x[t, k] for t < T: each row of W is read once for all T tokens */
+static void matmul(const float *w, const float *x, float *y, int64_t n, int64_t k, int64_t T,
+                   int nthreads)
+{
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (n * k >= PARALLEL_MIN)
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t t = 0; t < T; t++)
+            y[t * n + i] = dot(w + i * k, x + t * k, k);
+}
+
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+/* out = x * rsqrt(mean(x^2) + eps) * w */
+static void rms_norm(const float *x, const float *w, float *out, int64_t n, float eps)
+{
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++)
+        ss += x[i] * x[i];
+    float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++)
+        out[i] = x[i] * r * w[i];
+}
+
+static void l2_norm(float *x, int64_t n, float scale)
+{
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++)
+        ss += x[i] * x[i];
+    float r = scale / sqrtf(ss + 1e-6f);
+    for (int64_t i = 0; i < n; i++)
+        x[i] *= r;
+}
+
+/* h[t] += W_down (silu(W_gate x) * W_up x), x = post_norm(h[t]) */
+static void mlp(const struct fr_layer *L, float *h, float *x, float *g, float *u, int64_t T)
+{
+    const int64_t H = L->hidden, I = L->inter;
+    for (int64_t t = 0; t < T; t++)
+        rms_norm(h + t * H, L->post_norm, x + t * H, H, L->eps);
+    matmul(L->w_gate, x, g, I, H, T, L->nthreads);
+    matmul(L->w_up, x, u, I, H, T, L->nthreads);
+    for (int64_t i = 0; i < T * I; i++)
+        g[i] = silu(g[i]) * u[i];
+    matmul(L->w_down, g, x, H, I, T, L->nthreads);
+    for (int64_t i = 0; i < T * H; i++)
+        h[i] += x[i];
+}
+
+/* One token's conv + gated delta rule + gated norm; p is its canonical projection row. */
+static void delta_token(const struct fr_layer *L, float *p, float *o)
+{
+    const int64_t hk = L->hk, hv = L->hv, dk = L->dk, dv = L->dv, K = L->conv_k;
+    const int64_t conv_dim = 2 * hk * dk + hv * dv, r = hv / hk;
+    /* conv: shift the token into the window, then one K-tap dot product per channel */
+    for (int64_t c = 0; c < conv_dim; c++) {
+        float *s = L->conv_state + c * K;
+        memmove(s, s + 1, (size_t)(K - 1) * sizeof(float));
+        s[K - 1] = p[c];
+        float acc = L->conv_b ? L->conv_b[c] : 0.0f;
+        for (int64_t t = 0; t < K; t++)
+            acc += s[t] * L->conv_w[c * K + t];
+        p[c] = silu(acc);
+    }
+    float *q = p, *k = p + hk * dk, *v = p + 2 * hk * dk, *z = p + conv_dim;
+    float *b = z + hv * dv, *a = b + hv;
+    for (int64_t i = 0; i < hk; i++) {
+        l2_norm(q + i * dk, dk, 1.0f / sqrtf((float)dk));
+        l2_norm(k + i * dk, dk, 1.0f);
+    }
+    #pragma omp parallel for schedule(static) num_threads(L->nthreads) if (hv * dk * dv >= PARALLEL_MIN)
+    for (int64_t h = 0; h < hv; h++) {
+        const float *qh = q + (h / r) * dk, *kh = k + (h / r) * dk, *vh = v + h * dv;
+        float *S = L->recurrent + h * dk * dv, *oh = o + h * dv;
+        const float decay = expf(L->neg_a[h] * softplus(a[h] + L->dt_bias[h]));
+        const float beta = sigmoid(b[h]);
+        float mem[dv];
+        for (int64_t j = 0; j < dv; j++)
+            mem[j] = 0.0f;
+        for (int64_t i = 0; i < dk; i++) {
+            float *row = S + i * dv;
+            for (int64_t j = 0; j < dv; j++) {
+                row[j] *= decay;
+                mem[j] += row[j] * kh[i];
+            }
+        }
+        for (int64_t j = 0; j < dv; j++) {
+            mem[j] = (vh[j] - mem[j]) * beta;
+            oh[j] = 0.0f;
+        }
+        for (int64_t i = 0; i < dk; i++) {
+            float *row = S + i * dv;
+            for (int64_t j = 0; j < dv; j++) {
+                row[j] += kh[i] * mem[j];
+                oh[j] += row[j] * qh[i];
+            }
+        }
+        float ss = 0.0f;  /* gated RMSNorm of the head's output */
+        for (int64_t j = 0; j < dv; j++)
+            ss += oh[j] * oh[j];
+        float rs = 1.0f / sqrtf(ss / (float)dv + L->eps);
+        for (int64_t j = 0; j < dv; j++)
+            oh[j] = L->gate_norm[j] * (oh[j] * rs) * silu(z[h * dv + j]);
+    }
+}
+
+/*
+ * save: NULL, or room for T - 1 states (conv [C, K] then recurrent [Hv, Dk, Dv] each); the
+ * state after token t < T - 1 is copied there, so a verify can commit a shorter prefix.
+ */
+static void gated_delta(const struct fr_layer *L, const float *x, float *out, float *buf,
+                        int64_t T, float *save)
+{
+    const int64_t hv = L->hv, dv = L->dv, H = L->hidden;
+    const int64_t conv_dim = 2 * L->hk * L->dk + hv * dv, width = conv_dim + hv * dv + 2 * hv;
+    const int64_t conv_n = conv_dim * L->conv_k, rec_n = hv * L->dk * dv;
+    float *raw = buf, *p = raw + T * width, *o = p + T * width;
+    float *y = L->proj_perm ? raw : p;
+    int64_t at = 0;
+    for (int m = 0; m < 4 && L->w_proj[m]; m++) {
+        /* the T rows of this projection land at column `at` of each token's row */
+        const int64_t n = L->proj_rows[m];
+        #pragma omp parallel for schedule(static) num_threads(L->nthreads) if (n * H >= PARALLEL_MIN)
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t t = 0; t < T; t++)
+                y[t * width + at + i] = dot(L->w_proj[m] + i * H, x + t * H, H);
+        at += n;
+    }
+    for (int64_t t = 0; t < T; t++) {
+        if (L->proj_perm)
+            for (int64_t i = 0; i < width; i++)
+                p[t * width + i] = raw[t * width + L->proj_perm[i]];
+        delta_token(L, p + t * width, o + t * hv * dv);
+        if (save && t < T - 1) {
+            memcpy(save + t * (conv_n + rec_n), L->conv_state, (size_t)conv_n * sizeof(float));
+            memcpy(save + t * (conv_n + rec_n) + conv_n, L->recurrent,
+                   (size_t)rec_n * sizeof(float));
+        }
+    }
+    matmul(L->w_out, o, out, H, hv * dv, T, L->nthreads);
+}
+
+static void rope(float *x, const float *cosv, const float *sinv, int64_t rot)
+{
+    const int64_t half = rot / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float x1 = x[i], x2 = x[i + half];
+        x[i] = x1 * cosv[i] - x2 * sinv[i];
+        x[i + half] = x2 * cosv[i] + x1 * sinv[i];
+    }
+}
+
+/* Token t sits at cache row pos0 + t and attends to rows [0, pos0 + t]. */
+static void attention(const struct fr_layer *L, const float *x, float *out, float *buf,
+                      int64_t T, int64_t pos0, int64_t max_len)
+{
+    const int64_t hq = L->hq, hkv = L->hkv, d = L->hd, groups = hq / hkv, H = L->hidden;
+    float *qg = buf, *kk = qg + T * 2 * hq * d, *vv = kk + T * hkv * d, *att = vv + T * hkv * d;
+    float *cosv = att + T * hq * d, *sinv = cosv + L->rot, *scores = sinv + L->rot;
+    matmul(L->w_q, x, qg, 2 * hq * d, H, T, L->nthreads);
+    matmul(L->w_k, x, kk, hkv * d, H, T, L->nthreads);
+    matmul(L->w_v, x, vv, hkv * d, H, T, L->nthreads);
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t pos = pos0 + t, kv_len = pos + 1;
+        float *q = qg + t * 2 * hq * d, *k = kk + t * hkv * d, *v = vv + t * hkv * d;
+        for (int64_t i = 0; i < L->rot / 2; i++) {
+            float f = (float)(pos + L->rope_offset) * L->inv_freq[i];
+            cosv[i] = cosv[i + L->rot / 2] = cosf(f) * L->rope_scale;
+            sinv[i] = sinv[i + L->rot / 2] = sinf(f) * L->rope_scale;
+        }
+        for (int64_t h = 0; h < hq; h++) {  /* q_proj rows are [q | gate] per head */
+            rms_norm(q + h * 2 * d, L->q_norm, q + h * 2 * d, d, L->eps);
+            rope(q + h * 2 * d, cosv, sinv, L->rot);
+        }
+        for (int64_t g = 0; g < hkv; g++) {
+            rms_norm(k + g * d, L->k_norm, k + g * d, d, L->eps);
+            rope(k + g * d, cosv, sinv, L->rot);
+            memcpy(L->keys + g * L->head_stride + pos * L->seq_stride, k + g * d,
+                   (size_t)d * sizeof(float));
+            memcpy(L->values + g * L->head_stride + pos * L->seq_stride, v + g * d,
+                   (size_t)d * sizeof(float));
+        }
+        *L->length += 1;
+        #pragma omp parallel for schedule(static) num_threads(L->nthreads) if (hq * kv_len * d >= PARALLEL_MIN)
+        for (int64_t h = 0; h < hq; h++) {
+            const int64_t g = h / groups;
+            const float *qh = q + h * 2 * d, *kb = L->keys + g * L->head_stride;
+            const float *vb = L->values + g * L->head_stride;
+            float *s = scores + h * max_len, *oh = att + t * hq * d + h * d;
+            float top = -INFINITY, sum = 0.0f;
+            for (int64_t j = 0; j < kv_len; j++) {
+                s[j] = dot(qh, kb + j * L->seq_stride, d) * L->scaling;
+                top = s[j] > top ? s[j] : top;
+            }
+            for (int64_t j = 0; j < kv_len; j++) {
+                s[j] = expf(s[j] - top);
+                sum += s[j];
+            }
+            for (int64_t i = 0; i < d; i++)
+                oh[i] = 0.0f;
+            for (int64_t j = 0; j < kv_len; j++) {
+                const float w = s[j] / sum, *vt = vb + j * L->seq_stride;
+                for (int64_t i = 0; i < d; i++)
+                    oh[i] += w * vt[i];
+            }
+            for (int64_t i = 0; i < d; i++)
+                oh[i] *= sigmoid(q[h * 2 * d + d + i]);
+        }
+    }
+    matmul(L->w_o, att, out, H, hq * d, T, L->nthreads);
+}
+
+/*
+ * T tokens through one layer: h[t] += mixer(in_norm(h[t])); h[t] += mlp(post_norm(h[t])).
+ * Token t is at the layer's cache row pos0 + t. save: see gated_delta (attention: unused).
+ */
+void fr_layer(const struct fr_layer *L, float *h, int64_t T, int64_t pos0, int64_t max_len,
+              float *save)
+{
+    const int64_t H = L->hidden;
+    float *x = L->scratch, *mixed = x + T * H, *g = mixed + T * H, *u = g + T * L->inter;
+    float *buf = u + T * L->inter;
+    for (int64_t t = 0; t < T; t++)
+        rms_norm(h + t * H, L->in_norm, x + t * H, H, L->eps);
+    if (L->kind == 0)
+        gated_delta(L, x, mixed, buf, T, save);
+    else
+        attention(L, x, mixed, buf, T, pos0, max_len);
+    for (int64_t i = 0; i < T * H; i++)
+        h[i] += mixed[i];
+    mlp(L, h, x, g, u, T);
+}
+
+/* h[t] = embedding row tokens[t] */
+void fr_embed(const float *table, const int64_t *tokens, int64_t T, float *h, int64_t hidden)
+{
+    for (int64_t t = 0; t < T; t++)
+        memcpy(h + t * hidden, table + tokens[t] * hidden, (size_t)hidden * sizeof(float));
+}
+
+/* normed[t] = norm(h[t]); logits[t] = W normed[t] (W NULL: no logits) */
+void fr_head(const float *h, const float *norm, float eps, const float *w, float *logits,
+             float *normed, int64_t hidden, int64_t vocab, int64_t T, int64_t nthreads)
+{
+    for (int64_t t = 0; t < T; t++)
+        rms_norm(h + t * hidden, norm, normed + t * hidden, hidden, eps);
+    if (w)
+        matmul(w, normed, logits, vocab, hidden, T, (int)nthreads);
+}
+
+/*
+ * The MTP head's input: out[t] = fc([norm_e(embed(tokens[t])); norm_h(prev[t])]).
+ * cat: scratch of T * 2H floats.
+ */
+void fr_mtp_input(const float *table, const int64_t *tokens, const float *prev,
+                  const float *norm_e, const float *norm_h, float eps, const float *fc,
+                  float *out, float *cat, int64_t hidden, int64_t T, int64_t nthreads)
+{
+    for (int64_t t = 0; t < T; t++) {
+        rms_norm(table + tokens[t] * hidden, norm_e, cat + t * 2 * hidden, hidden, eps);
+        rms_norm(prev + t * hidden, norm_h, cat + t * 2 * hidden + hidden, hidden, eps);
+    }
+    matmul(fc, cat, out, hidden, 2 * hidden, T, (int)nthreads);
+}

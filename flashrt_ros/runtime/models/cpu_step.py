@@ -1,0 +1,435 @@
+"""
+The CPU decode step: one token of a Qwen3-Next / Qwen3.5 hybrid through cpu_step.c.
+
+The C file is compiled at first use with the system C compiler (`$CC`, else `cc`) for this
+CPU (-O3 -march=native -fopenmp) into ~/.cache/flashrt_ros/kernels (or
+$FLASHRT_KERNEL_CACHE), keyed by the source, the flags and the compiler, and loaded with
+ctypes. It links the same OpenMP runtime as torch (one soname), so both share one thread
+pool. Each layer is one call over pointers fixed at bind time: the model's own weight
+tensors (never copied) and the arena views (written in place, as every step writes them).
+
+It runs a step only while nothing observes the model: a module with a forward hook (a
+probe, a test's fault injection) or a global pre-hook (a waiting preemption) sends the step
+to the exact path (fastpath.py), which calls every module. A preemption that arrives
+during a step is met between layers, as a module call would meet it. Results agree with
+transformers' to float32 rounding (summation order differs); greedy decoding equals
+transformers' generate() (test/runtime/test_cpu_step.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+from pathlib import Path
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import torch
+from torch.nn.modules import module as torch_module
+
+SOURCE = Path(__file__).with_name('cpu_step.c')
+CACHE_ENV = 'FLASHRT_KERNEL_CACHE'
+# Tried in order: the first that compiles is used (-march=native is not known everywhere).
+FLAG_SETS = (['-march=native'], ['-mcpu=native'], [])
+BASE_FLAGS = ['-O3', '-std=gnu11', '-fopenmp', '-fPIC', '-shared']
+MAX_TOKENS = 4  # tokens one call takes: a speculative verify of up to 3 drafts
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_F = ctypes.c_float
+
+
+class FrLayer(ctypes.Structure):
+    """Mirror of struct fr_layer in cpu_step.c (same order, same types)."""
+
+    _fields_ = [
+        ('kind', _I), ('hidden', _I), ('inter', _I), ('nthreads', _I),
+        ('eps', _F), ('pad0', _F),
+        ('in_norm', _P), ('post_norm', _P), ('w_gate', _P), ('w_up', _P), ('w_down', _P),
+        ('scratch', _P),
+        ('w_proj', _P * 4), ('proj_rows', _I * 4), ('proj_perm', _P),
+        ('conv_w', _P), ('conv_b', _P), ('conv_state', _P),
+        ('conv_k', _I), ('hk', _I), ('hv', _I), ('dk', _I), ('dv', _I),
+        ('neg_a', _P), ('dt_bias', _P), ('gate_norm', _P), ('recurrent', _P), ('w_out', _P),
+        ('w_q', _P), ('w_k', _P), ('w_v', _P), ('w_o', _P), ('q_norm', _P), ('k_norm', _P),
+        ('inv_freq', _P),
+        ('hq', _I), ('hkv', _I), ('hd', _I), ('rot', _I), ('rope_offset', _I),
+        ('scaling', _F), ('rope_scale', _F),
+        ('keys', _P), ('values', _P), ('head_stride', _I), ('seq_stride', _I), ('length', _P),
+    ]
+
+
+class Unavailable(Exception):
+    """The CPU step cannot run here; the message says why."""
+
+
+_library = None
+_library_error: str | None = None
+_library_lock = threading.Lock()
+
+
+def library() -> ctypes.CDLL:
+    """Return the library built from cpu_step.c (compiled and cached on first use)."""
+    global _library, _library_error
+    with _library_lock:
+        if _library is None and _library_error is None:
+            try:
+                _library = _load(_compile())
+            except Unavailable as exc:
+                _library_error = str(exc)
+        if _library is None:
+            raise Unavailable(_library_error)
+        return _library
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or '~/.cache/flashrt_ros/kernels').expanduser()
+
+
+def _compile() -> Path:
+    compiler = os.environ.get('CC') or 'cc'
+    if shutil.which(compiler) is None:
+        raise Unavailable(f'no C compiler ({compiler!r} is not on PATH; set CC or install gcc)')
+    try:
+        version = subprocess.run([compiler, '--version'], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise Unavailable(f'the C compiler {compiler!r} does not run: {exc}') from exc
+    source = SOURCE.read_bytes()
+    errors = []
+    for arch in FLAG_SETS:
+        flags = BASE_FLAGS + arch
+        key = hashlib.sha256(b'\0'.join(
+            [source, ' '.join(flags).encode(), version.encode(), platform.machine().encode()]))
+        target = _cache_dir() / f'cpu_step-{key.hexdigest()[:20]}.so'
+        if target.exists():
+            return target
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix='.so', dir=target.parent)
+            os.close(fd)
+        except OSError as exc:
+            raise Unavailable(f'cannot write the kernel cache {str(target.parent)!r}: {exc}; '
+                              f'set {CACHE_ENV} to a writable directory') from exc
+        try:
+            out = subprocess.run([compiler, *flags, str(SOURCE), '-o', tmp, '-lm'],
+                                 capture_output=True, text=True, timeout=300)
+            if out.returncode == 0:
+                os.replace(tmp, target)  # atomic: a concurrent compile publishes the same file
+                return target
+            errors.append(f'{" ".join(arch) or "no arch flag"}: {out.stderr.strip()[-300:]}')
+        except (OSError, subprocess.SubprocessError) as exc:
+            errors.append(f'{" ".join(arch) or "no arch flag"}: {exc}')
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    raise Unavailable(f'cpu_step.c does not compile with {compiler}: {"; ".join(errors)}')
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise Unavailable(f'cannot load {str(path)!r}: {exc}') from exc
+    ids = ctypes.POINTER(_I)
+    signatures = {
+        'fr_layer': [ctypes.POINTER(FrLayer), _P, _I, _I, _I, _P],
+        'fr_embed': [_P, ids, _I, _P, _I],
+        'fr_head': [_P, _P, _F, _P, _P, _P, _I, _I, _I, _I],
+        'fr_mtp_input': [_P, ids, _P, _P, _P, _F, _P, _P, _P, _I, _I, _I],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
+    return lib
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def refusal(model, config, views: dict[str, torch.Tensor]) -> str | None:
+    """Say why the CPU step cannot run this model over these views (None: it can)."""
+    p = next(model.parameters())
+    if p.device.type != 'cpu':
+        return f'the model is on {p.device.type}, not the CPU'
+    if p.dtype != torch.float32:
+        return f'the CPU step runs float32 models; this one is {p.dtype}'
+    rope = getattr(config, 'rope_parameters', None) or {}
+    if rope.get('rope_type', 'default') != 'default':
+        return f"rope type {rope.get('rope_type')!r} is not the default"
+    if getattr(model.lm_head, 'bias', None) is not None:
+        return 'the output head has a bias'
+    for name, t in model.named_parameters():
+        if not t.is_contiguous():
+            return f'parameter {name} is not contiguous'
+    for name, v in views.items():
+        if v.dtype == torch.float32 and v.stride()[-1] != 1:
+            return f'state view {name} is not contiguous in its last dimension'
+    try:
+        library()
+    except Unavailable as exc:
+        return str(exc)
+    return None
+
+
+class _Stack:
+    """Layers of one decoder stack as fr_layer structs over the model's tensors and the arena."""
+
+    def __init__(self, layers, keep: list, max_len: int, max_tokens: int):
+        self.modules = list(layers)
+        self.keep = keep  # tensors the structs point into that no module holds
+        self.max_len, self.max_tokens = max_len, max_tokens
+        self.structs: list[FrLayer] = []
+        self.saves: list[torch.Tensor | None] = []  # per layer: states kept by a verify
+
+    def folded(self, norm) -> int:
+        """Pointer to 1 + w of a Qwen3-Next RMSNorm (the model's own scale convention)."""
+        t = (1.0 + norm.weight.float()).contiguous()
+        self.keep.append(t)
+        return t.data_ptr()
+
+    def add(self, layer, state: tuple, rotary: tuple, rope_offset: int = 0) -> None:
+        """Bind `layer` to its state views: (conv, recurrent) or (keys, values, length)."""
+        mlp = layer.mlp
+        s = FrLayer(hidden=mlp.gate_proj.weight.shape[1], inter=mlp.gate_proj.weight.shape[0],
+                    eps=float(layer.input_layernorm.eps))
+        s.in_norm, s.post_norm = self.folded(layer.input_layernorm), self.folded(
+            layer.post_attention_layernorm)
+        s.w_gate, s.w_up, s.w_down = (_ptr(m.weight) for m in (mlp.gate_proj, mlp.up_proj,
+                                                               mlp.down_proj))
+        if len(state) == 2:
+            self._gated_delta(s, layer.linear_attn, *state)
+        else:
+            self._attention(s, layer.self_attn, *state, rotary, rope_offset)
+        self.structs.append(s)
+        self.saves.append(None)
+
+    def _gated_delta(self, s, m, conv_state, recurrent) -> None:
+        s.kind = 0
+        s.hk, s.hv, s.dk, s.dv = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
+        if hasattr(m, 'in_proj_qkvz'):  # Qwen3-Next: [q, k, v, z] and [b, a] per key head
+            projections = [m.in_proj_qkvz, m.in_proj_ba]
+            perm = _qwen3_next_order(m)
+            self.keep.append(perm)
+            s.proj_perm = perm.data_ptr()
+        else:  # Qwen3.5: q|k|v, z, b, a, each in canonical order already
+            projections = [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a]
+        for j, p in enumerate(projections):
+            s.w_proj[j], s.proj_rows[j] = p.weight.data_ptr(), p.weight.shape[0]
+        s.conv_w, s.conv_b = _ptr(m.conv1d.weight), _ptr(m.conv1d.bias)
+        s.conv_k = m.conv1d.weight.shape[-1]
+        s.conv_state, s.recurrent = _ptr(conv_state), _ptr(recurrent)
+        neg_a = (-m.A_log.float().exp()).contiguous()
+        self.keep.append(neg_a)
+        s.neg_a, s.dt_bias, s.gate_norm = neg_a.data_ptr(), _ptr(m.dt_bias), _ptr(m.norm.weight)
+        s.w_out = _ptr(m.out_proj.weight)
+
+    def _attention(self, s, m, keys, values, length, rotary, rope_offset) -> None:
+        s.kind, s.hd, s.rope_offset = 1, m.head_dim, rope_offset
+        s.hq = m.q_proj.weight.shape[0] // (2 * m.head_dim)
+        s.hkv = m.k_proj.weight.shape[0] // m.head_dim
+        projections = (m.q_proj, m.k_proj, m.v_proj, m.o_proj)
+        s.w_q, s.w_k, s.w_v, s.w_o = (_ptr(p.weight) for p in projections)
+        s.q_norm, s.k_norm = self.folded(m.q_norm), self.folded(m.k_norm)
+        inv_freq, s.rope_scale = rotary
+        s.inv_freq, s.rot, s.scaling = inv_freq.data_ptr(), 2 * inv_freq.numel(), m.scaling
+        if keys.stride() != values.stride():
+            raise ValueError('keys and values are laid out differently')
+        s.keys, s.values = keys.data_ptr(), values.data_ptr()
+        s.head_stride, s.seq_stride = keys.stride(1), keys.stride(2)  # [1, Hkv, L, D]
+        s.length = length.data_ptr()
+
+    def scratch_floats(self) -> int:
+        """Floats of scratch one fr_layer call of max_tokens tokens needs, at most."""
+        most, t = 0, self.max_tokens
+        for s in self.structs:
+            if s.kind == 0:
+                mixer = 3 * t * (2 * s.hk * s.dk + 2 * s.hv * s.dv + 2 * s.hv)
+            else:
+                mixer = (t * (5 * s.hq * s.hd + 2 * s.hkv * s.hd) + 2 * s.rot
+                         + s.hq * self.max_len)
+            most = max(most, t * (2 * s.hidden + 2 * s.inter) + mixer)
+        return most
+
+    def state_floats(self, s: FrLayer) -> int:
+        """Floats of one token's kept state of a gated-DeltaNet layer (conv, recurrent)."""
+        return (2 * s.hk * s.dk + s.hv * s.dv) * s.conv_k + s.hv * s.dk * s.dv
+
+    def run(self, lib, h: torch.Tensor, tokens: int, pos0: int, save: bool) -> None:
+        """Run `tokens` rows of h [T, H] through every layer, the first at row pos0."""
+        nthreads = torch.get_num_threads()
+        pre_hooks = torch_module._global_forward_pre_hooks
+        for i, (s, layer) in enumerate(zip(self.structs, self.modules)):
+            if pre_hooks:  # a preemption arrived: meet it here as a module call would
+                for hook in list(pre_hooks.values()):
+                    hook(layer, ())
+            s.nthreads = nthreads
+            keep = None
+            if save and s.kind == 0 and tokens > 1:
+                if self.saves[i] is None:
+                    self.saves[i] = torch.zeros((self.max_tokens - 1, self.state_floats(s)))
+                keep = self.saves[i].data_ptr()
+            lib.fr_layer(ctypes.byref(s), h.data_ptr(), tokens, pos0, self.max_len, keep)
+
+    def keep_prefix(self, views: list[tuple], used: int, tokens: int) -> None:
+        """
+        After a kept run of `tokens`, make the state that of its first `used` tokens.
+
+        views: per layer, the state tensors add() was given. Gated-DeltaNet layers take the
+        kept conv and recurrent state; attention layers count the dropped rows off their
+        length (the caller zeroes those rows).
+        """
+        if used == tokens:
+            return
+        for s, save, state in zip(self.structs, self.saves, views):
+            if s.kind == 0:
+                conv, recurrent = state
+                kept = save[used - 1]
+                conv.view(-1).copy_(kept[:conv.numel()])
+                recurrent.view(-1).copy_(kept[conv.numel():])
+            else:
+                state[2].sub_(tokens - used)
+
+
+def _qwen3_next_order(m) -> torch.Tensor:
+    """Return the indices that take the [qkvz | ba] projection to q | k | v | z | b | a."""
+    hk, dk, dv, r = m.num_k_heads, m.head_k_dim, m.head_v_dim, m.num_v_heads // m.num_k_heads
+    group = 2 * dk + 2 * r * dv  # one key head's rows of in_proj_qkvz
+    qkvz = torch.arange(hk * group).view(hk, group)
+    q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=1)
+    ba = (hk * group + torch.arange(hk * 2 * r)).view(hk, 2 * r)
+    b, a = torch.split(ba, [r, r], dim=1)
+    return torch.cat([t.reshape(-1) for t in (q, k, v, z, b, a)]).to(torch.int32)
+
+
+def _hooked(modules) -> bool:
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+class CpuDecode:
+    """Tokens of a Qwen3-Next-style hybrid through the compiled CPU step, over the arena."""
+
+    def __init__(self, model, views: dict[str, torch.Tensor], max_len: int,
+                 max_tokens: int = MAX_TOKENS):
+        self.lib = library()
+        self.modules = list(model.modules())
+        self.embed = model.model.embed_tokens.weight  # [V, H]
+        self.head = model.lm_head.weight  # [V, H]
+        norm, rotary = model.model.norm, model.model.rotary_emb
+        self.final_eps = float(norm.eps)
+        self.keep: list[torch.Tensor] = []
+        self.stack = _Stack(model.model.layers, self.keep, max_len, max_tokens)
+        self.final_norm = self.stack.folded(norm)
+        self.rotary = (rotary.inv_freq.float().contiguous(), float(rotary.attention_scaling))
+        self.keep.append(self.rotary[0])
+        self.views = []
+        for i, layer in enumerate(model.model.layers):
+            state = ((views[f'L{i}.conv0'], views[f'L{i}.recurrent0'])
+                     if hasattr(layer, 'linear_attn') else
+                     (views[f'L{i}.key'], views[f'L{i}.value'], views[f'L{i}.length']))
+            self.stack.add(layer, state, self.rotary)
+            self.views.append(state)
+        hidden, vocab = self.embed.shape[1], self.head.shape[0]
+        self.scratch = torch.zeros(self.stack.scratch_floats())
+        for s in self.stack.structs:
+            s.scratch = self.scratch.data_ptr()
+        self.h = torch.zeros((max_tokens, hidden))  # [T, H] the residual stream
+        self.hidden = torch.zeros((max_tokens, hidden))  # [T, H] post-final-norm
+        self.logits = torch.zeros((max_tokens, vocab))  # [T, V]
+
+    def observed(self) -> bool:
+        """Whether a hook watches the model (then the exact path runs the step)."""
+        return _hooked(self.modules)
+
+    @torch.inference_mode()
+    def forward(self, tokens, pos0: int, save: bool = False):
+        """
+        Consume tokens (a list of ids) at positions pos0...; return (logits [T, V], hidden [T, H]).
+
+        Both are views of buffers the next call overwrites. save: keep the state after each
+        token so keep_prefix() can commit a prefix (a speculative verify).
+        """
+        n = len(tokens)
+        ids = (ctypes.c_int64 * n)(*tokens)
+        lib, h = self.lib, self.h
+        lib.fr_embed(self.embed.data_ptr(), ids, n, h.data_ptr(), h.shape[1])
+        self.stack.run(lib, h, n, pos0, save)
+        lib.fr_head(h.data_ptr(), self.final_norm, self.final_eps, self.head.data_ptr(),
+                    self.logits.data_ptr(), self.hidden.data_ptr(), h.shape[1],
+                    self.head.shape[0], n, torch.get_num_threads())
+        return self.logits[:n], self.hidden[:n]
+
+    def step(self, token: int, kv_len: int) -> torch.Tensor:
+        """Consume one token at position kv_len - 1; return its logits [1, V]."""
+        return self.forward((token,), kv_len - 1)[0]
+
+    def keep_prefix(self, used: int, tokens: int) -> None:
+        """After forward(..., save=True) of `tokens`, keep the state of the first `used`."""
+        self.stack.keep_prefix(self.views, used, tokens)
+
+
+class CpuHead:
+    """
+    The MTP head (its input fc and one attention decoder layer) through the compiled step.
+
+    Its attention rows are the arena's head rows seen from row 1 (models/speculative.py): the
+    token of arena row p sits at the layer's row p - 1 and at rotary position p.
+    """
+
+    def __init__(self, head, main: CpuDecode, keys, values, length, max_len: int):
+        self.lib, self.main = main.lib, main
+        self.modules = list(head.modules())
+        self.keep: list[torch.Tensor] = []
+        self.stack = _Stack(head.layers, self.keep, max_len, MAX_TOKENS)
+        self.stack.add(head.layers[0], (keys, values, length), main.rotary, rope_offset=1)
+        self.norm_e = self.stack.folded(head.pre_fc_norm_embedding)
+        self.norm_h = self.stack.folded(head.pre_fc_norm_hidden)
+        self.eps = float(head.pre_fc_norm_embedding.eps)
+        self.fc = head.fc.weight  # [H, 2H]
+        self.final_norm, self.final_eps = self.stack.folded(head.norm), float(head.norm.eps)
+        self.scratch = torch.zeros(self.stack.scratch_floats())
+        self.stack.structs[0].scratch = self.scratch.data_ptr()
+        hidden, vocab = main.embed.shape[1], main.head.shape[0]
+        self.cat = torch.zeros((MAX_TOKENS, 2 * hidden))  # [T, 2H]
+        self.h = torch.zeros((MAX_TOKENS, hidden))  # [T, H]
+        self.hidden = torch.zeros((MAX_TOKENS, hidden))  # [T, H] post-norm
+        self.logits = torch.zeros((MAX_TOKENS, vocab))  # [T, V]
+
+    @staticmethod
+    def refusal(head) -> str | None:
+        """Say why this head cannot run compiled (None: it can)."""
+        if not hasattr(head.layers[0].mlp, 'gate_proj'):
+            return 'the MTP layer has a mixture-of-experts block'
+        if head.fc.bias is not None:
+            return 'the MTP fc has a bias'
+        return None
+
+    def observed(self) -> bool:
+        return _hooked(self.modules)
+
+    @torch.inference_mode()
+    def forward(self, tokens, prev: torch.Tensor, row: int, logits: bool = True):
+        """
+        Consume tokens at arena rows row... after main hiddens prev [T, H] (contiguous).
+
+        Returns (logits [T, V] or None, post-norm hidden [T, H]), views of buffers the next
+        call overwrites.
+        """
+        n, main, lib = len(tokens), self.main, self.lib
+        ids = (ctypes.c_int64 * n)(*tokens)
+        hidden = self.h.shape[1]
+        nthreads = torch.get_num_threads()
+        lib.fr_mtp_input(main.embed.data_ptr(), ids, prev.data_ptr(), self.norm_e, self.norm_h,
+                         self.eps, self.fc.data_ptr(), self.h.data_ptr(), self.cat.data_ptr(),
+                         hidden, n, nthreads)
+        self.stack.run(lib, self.h, n, row - 1, save=False)
+        lib.fr_head(self.h.data_ptr(), self.final_norm, self.final_eps,
+                    main.head.data_ptr() if logits else None, self.logits.data_ptr(),
+                    self.hidden.data_ptr(), hidden, main.head.shape[0], n, nthreads)
+        return (self.logits[:n] if logits else None), self.hidden[:n]

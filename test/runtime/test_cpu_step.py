@@ -1,0 +1,146 @@
+"""The compiled CPU step: transformers' tokens, exact multi-token calls, and its fallbacks."""
+
+from flashrt_ros.runtime.models import cpu_step
+from flashrt_ros.runtime.preemption import StepAborted
+import pytest
+from runtime_harness import decode_steps, greedy, OTHER_PROMPT, PROMPT
+import torch
+
+FAST = ['builtin:tiny-hybrid', 'builtin:tiny-qwen3-5']
+
+
+@pytest.mark.parametrize('model', FAST + ['default'])
+def test_steps_agree_with_the_exact_path_to_float32_rounding(make_runtime, model):
+    fast = make_runtime(model, max_seq_len=600)
+    exact = make_runtime(model, max_seq_len=600, cpu_step=False)
+    assert fast.adapter.cpu_step is not None, fast.stats().cpu_step_note
+    assert exact.adapter.cpu_step is None and exact.stats().cpu_step_note.startswith('off')
+    for rt in (fast, exact):
+        rt.prefill(PROMPT * 8, raw=True)  # past one attention window of the exact path
+    calls = []
+    step = fast.adapter.cpu_step.step
+    fast.adapter.cpu_step.step = lambda *a: calls.append(1) or step(*a)
+    logits_fast, _ = decode_steps(fast, 16)
+    logits_exact, _ = decode_steps(exact, 16)
+    assert len(calls) == 16
+    for i, (a, b) in enumerate(zip(logits_fast, logits_exact)):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), f'step {i}: {(a - b).abs().max()}'
+        assert int(a.argmax()) == int(b.argmax())
+    for name, view in fast.arena.views.items():
+        other = exact.arena.views[name]
+        if view.dtype.is_floating_point:
+            assert torch.allclose(view, other, rtol=1e-4, atol=1e-4), name
+        else:
+            assert torch.equal(view, other), name
+
+
+@pytest.mark.parametrize('model', FAST)
+def test_a_multi_token_call_equals_single_steps_bit_for_bit(make_runtime, model):
+    rt = make_runtime(model, max_seq_len=256)
+    cs = rt.adapter.cpu_step
+    rt.prefill(PROMPT, raw=True)
+    tokens, pos = [17, 99, 3, 250], rt.position
+    start = rt.arena.storage.clone()
+    singles, single_states = [], []
+    for i, t in enumerate(tokens):
+        logits, hidden = cs.forward([t], pos + i)
+        singles.append((logits.clone(), hidden.clone()))
+        single_states.append(rt.arena.storage.clone())
+    for used in range(1, len(tokens) + 1):
+        rt.arena.storage.copy_(start)
+        logits, hidden = cs.forward(tokens, pos, save=True)
+        for i, (l1, h1) in enumerate(singles):
+            assert torch.equal(logits[i:i + 1], l1) and torch.equal(hidden[i:i + 1], h1), i
+        cs.keep_prefix(used, len(tokens))
+        # the rows of the dropped tokens are the caller's to zero (the speculator's job)
+        rows = rt.arena.storage[rt.arena.prefix_nbytes(pos + used):
+                                rt.arena.prefix_nbytes(pos + len(tokens))]
+        rows.zero_()
+        expected = single_states[used - 1].clone()
+        expected[rt.arena.prefix_nbytes(pos + used):
+                 rt.arena.prefix_nbytes(pos + len(tokens))].zero_()
+        assert torch.equal(rt.arena.storage, expected), used
+
+
+def test_a_watched_model_takes_the_exact_path(make_runtime):
+    rt = make_runtime('builtin:tiny-hybrid')
+    rt.prefill(PROMPT, raw=True)
+    rt.snapshot('a')
+    plain = greedy(rt, 6)
+    seen = []
+    mlp = rt.adapter.model.model.layers[1].mlp  # a module every step of the exact path calls
+    handle = mlp.register_forward_hook(lambda m, a, out: seen.append(1))
+    try:
+        rt.restore('a')
+        assert greedy(rt, 6) == plain
+    finally:
+        handle.remove()
+    assert len(seen) == 5  # each of the 5 steps (the 6th token stays pending) ran exact
+    assert not rt.adapter.cpu_step.observed()
+
+
+def test_a_preemption_arriving_mid_step_is_met_between_layers(make_runtime):
+    rt = make_runtime('builtin:tiny-hybrid')
+    rt.prefill(PROMPT, raw=True)
+    cs, layers = rt.adapter.cpu_step, list(rt.adapter.model.model.layers)
+    met = []
+
+    def hook(module, args):
+        met.append(module)
+        if len(met) == 2:
+            raise StepAborted()
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
+    try:
+        with pytest.raises(StepAborted):
+            cs.forward([5], rt.position)
+    finally:
+        handle.remove()
+    assert met == layers[:2]  # checked before each layer, as a module call would be
+
+
+def test_without_a_compiler_the_runtime_says_why_and_runs_exact(make_runtime, monkeypatch,
+                                                                tmp_path):
+    monkeypatch.setenv('CC', str(tmp_path / 'no-such-cc'))
+    monkeypatch.setenv(cpu_step.CACHE_ENV, str(tmp_path / 'kernels'))
+    monkeypatch.setattr(cpu_step, '_library', None)
+    monkeypatch.setattr(cpu_step, '_library_error', None)
+    rt = make_runtime('builtin:tiny-hybrid')
+    note = rt.stats().cpu_step_note
+    assert rt.adapter.cpu_step is None and 'no C compiler' in note and 'CC' in note
+    exact = make_runtime('builtin:tiny-hybrid', cpu_step=False)
+    assert greedy(rt, 8, prompt=PROMPT) == greedy(exact, 8, prompt=PROMPT)
+
+
+def test_a_compile_error_is_reported(monkeypatch, tmp_path):
+    bad = tmp_path / 'bad.c'
+    bad.write_text('this is not C\n')
+    monkeypatch.setattr(cpu_step, 'SOURCE', bad)
+    monkeypatch.setenv(cpu_step.CACHE_ENV, str(tmp_path / 'kernels'))
+    with pytest.raises(cpu_step.Unavailable, match='does not compile'):
+        cpu_step._compile()
+    assert not list((tmp_path / 'kernels').glob('*.so'))  # nothing half-written is cached
+
+
+def test_models_it_does_not_run_say_why(make_runtime):
+    for model, words in [('builtin:tiny-lfm2', 'no decode fast path'),
+                         ('builtin:tiny-mamba2', 'no decode fast path')]:
+        rt = make_runtime(model)
+        assert rt.adapter.cpu_step is None and words in rt.stats().cpu_step_note
+    bf16 = make_runtime('builtin:tiny-hybrid', dtype='bfloat16')
+    assert 'float32' in bf16.stats().cpu_step_note
+
+
+def test_restore_and_rollback_continue_exactly(make_runtime):
+    rt = make_runtime('builtin:tiny-qwen3-5')
+    rt.prefill(PROMPT, raw=True)
+    rt.snapshot('a')
+    reference = greedy(rt, 12)
+    digest = rt.state_digest()
+    rt.prefill(OTHER_PROMPT, raw=True)
+    rt.restore('a')
+    assert greedy(rt, 12) == reference and rt.state_digest() == digest
+    rt.restore('a')
+    greedy(rt, 5)
+    rt.rollback(1)
+    assert greedy(rt, 12) == reference and rt.state_digest() == digest
