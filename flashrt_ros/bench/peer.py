@@ -133,7 +133,8 @@ def open_peer(rt, plan, python, n_ctx, log):
         qwen35_checkpoint(rt.adapter.model, workdir / 'qwen35')
         gguf = str(workdir / 'bench.gguf')
         converted = peer('convert', checkpoint=str(workdir / 'qwen35'), out=gguf)
-        loaded = peer('load', gguf=gguf, n_ctx=n_ctx, threads=threads)
+        sampled = min(rt.adapter.vocab_size, rt.tokenizer.vocab_size)  # as Engine.limit_vocab
+        loaded = peer('load', gguf=gguf, n_ctx=n_ctx, threads=threads, sampled=sampled)
     except BaseException:
         peer.close()
         raise

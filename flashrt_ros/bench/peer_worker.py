@@ -89,7 +89,7 @@ class Peer:
             sys.argv = argv
         return {'bytes': os.path.getsize(out)}
 
-    def load(self, gguf, n_ctx, threads, n_batch=2048):
+    def load(self, gguf, n_ctx, threads, sampled=None, n_batch=2048):
         llama_cpp.llama_log_set(_quiet, ctypes.c_void_p())
         self.llm = llama_cpp.Llama(
             model_path=gguf, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(n_batch, 512),
@@ -98,13 +98,15 @@ class Peer:
         llama_cpp.llama_log_set(_quiet, ctypes.c_void_p())
         self.ctx = self.llm._ctx.ctx
         self.n_vocab = self.llm.n_vocab()
+        # Greedy over the ids the runtime samples (its tokenizer's), not the padding rows.
+        self.sampled = min(self.n_vocab, sampled or self.n_vocab)
         return {'n_vocab': self.n_vocab, 'n_ctx': self.llm.n_ctx(), 'threads': threads,
                 'system_info': llama_cpp.llama_print_system_info().decode(errors='replace')}
 
     def _argmax(self):
         ptr = llama_cpp.llama_get_logits_ith(self.ctx, -1)
         logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
-        return int(np.argmax(logits)), logits
+        return int(np.argmax(logits[:self.sampled])), logits
 
     def prefill(self, ids, logits=False):
         t0 = time.perf_counter()

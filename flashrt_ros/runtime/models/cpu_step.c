@@ -23,6 +23,8 @@
  * more than the work (and much more when another process holds the other cores). */
 #define PARALLEL_MIN 262144L
 #define LANES 16
+#define SPAN 64  /* cache rows per attention work item: its K and V rows stay in L2 */
+#define PREFETCH_ROWS 8
 
 struct fr_layer {
     int64_t kind;  /* 0: gated DeltaNet, 1: gated attention */
@@ -53,6 +55,23 @@ struct fr_layer {
     int64_t *length;                      /* the layer's cumulative length counter */
 };
 
+/* 8 floats as one value: GCC and clang lower it to the target's SIMD (AVX, NEON, ...) */
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline v8 load8(const float *p)
+{
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+
+static inline float hsum8(v8 v)
+{
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
 static inline float dot(const float *a, const float *b, int64_t n)
 {
     float acc[LANES] = {0};
@@ -69,14 +88,33 @@ static inline float dot(const float *a, const float *b, int64_t n)
     return s;
 }
 
-/* y[t, n] = W[n, k] x[t, k] for t < T: each row of W is read once for all T tokens */
+/*
+ * y[t, :] = concat_m(W_m x[t]) for t < T, W_m [rows[m], k], y rows `width` floats apart:
+ * the matrices' rows split over the threads in one parallel region, and each row of W is
+ * read once for all T tokens.
+ */
+static void project(const float *const *w, const int64_t *rows, int count, const float *x,
+                    float *y, int64_t k, int64_t T, int64_t width, int nthreads)
+{
+    int64_t n = 0;
+    for (int m = 0; m < count; m++)
+        n += rows[m];
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (n * k >= PARALLEL_MIN)
+    for (int64_t i = 0; i < n; i++) {
+        int m = 0;
+        int64_t r = i;
+        while (r >= rows[m])
+            r -= rows[m++];
+        for (int64_t t = 0; t < T; t++)
+            y[t * width + i] = dot(w[m] + r * k, x + t * k, k);
+    }
+}
+
+/* y[t, n] = W[n, k] x[t, k] for t < T */
 static void matmul(const float *w, const float *x, float *y, int64_t n, int64_t k, int64_t T,
                    int nthreads)
 {
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (n * k >= PARALLEL_MIN)
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t t = 0; t < T; t++)
-            y[t * n + i] = dot(w + i * k, x + t * k, k);
+    project(&w, &n, 1, x, y, k, T, n, nthreads);
 }
 
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
@@ -108,13 +146,15 @@ static void l2_norm(float *x, int64_t n, float scale)
 static void mlp(const struct fr_layer *L, float *h, float *x, float *g, float *u, int64_t T)
 {
     const int64_t H = L->hidden, I = L->inter;
+    const float *w[2] = {L->w_gate, L->w_up};
+    const int64_t rows[2] = {I, I};
     for (int64_t t = 0; t < T; t++)
         rms_norm(h + t * H, L->post_norm, x + t * H, H, L->eps);
-    matmul(L->w_gate, x, g, I, H, T, L->nthreads);
-    matmul(L->w_up, x, u, I, H, T, L->nthreads);
-    for (int64_t i = 0; i < T * I; i++)
-        g[i] = silu(g[i]) * u[i];
-    matmul(L->w_down, g, x, H, I, T, L->nthreads);
+    project(w, rows, 2, x, g, H, T, 2 * I, L->nthreads);  /* g[t] = [gate | up] */
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < I; i++)
+            u[t * I + i] = silu(g[t * 2 * I + i]) * g[t * 2 * I + I + i];
+    matmul(L->w_down, u, x, H, I, T, L->nthreads);
     for (int64_t i = 0; i < T * H; i++)
         h[i] += x[i];
 }
@@ -127,7 +167,8 @@ static void delta_token(const struct fr_layer *L, float *p, float *o)
     /* conv: shift the token into the window, then one K-tap dot product per channel */
     for (int64_t c = 0; c < conv_dim; c++) {
         float *s = L->conv_state + c * K;
-        memmove(s, s + 1, (size_t)(K - 1) * sizeof(float));
+        for (int64_t t = 0; t + 1 < K; t++)
+            s[t] = s[t + 1];
         s[K - 1] = p[c];
         float acc = L->conv_b ? L->conv_b[c] : 0.0f;
         for (int64_t t = 0; t < K; t++)
@@ -187,17 +228,11 @@ static void gated_delta(const struct fr_layer *L, const float *x, float *out, fl
     const int64_t conv_dim = 2 * L->hk * L->dk + hv * dv, width = conv_dim + hv * dv + 2 * hv;
     const int64_t conv_n = conv_dim * L->conv_k, rec_n = hv * L->dk * dv;
     float *raw = buf, *p = raw + T * width, *o = p + T * width;
-    float *y = L->proj_perm ? raw : p;
-    int64_t at = 0;
-    for (int m = 0; m < 4 && L->w_proj[m]; m++) {
-        /* the T rows of this projection land at column `at` of each token's row */
-        const int64_t n = L->proj_rows[m];
-        #pragma omp parallel for schedule(static) num_threads(L->nthreads) if (n * H >= PARALLEL_MIN)
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t t = 0; t < T; t++)
-                y[t * width + at + i] = dot(L->w_proj[m] + i * H, x + t * H, H);
-        at += n;
-    }
+    int count = 0;
+    while (count < 4 && L->w_proj[count])
+        count++;
+    project(L->w_proj, L->proj_rows, count, x, L->proj_perm ? raw : p, H, T, width,
+            L->nthreads);
     for (int64_t t = 0; t < T; t++) {
         if (L->proj_perm)
             for (int64_t i = 0; i < width; i++)
@@ -222,19 +257,92 @@ static void rope(float *x, const float *cosv, const float *sinv, int64_t rot)
     }
 }
 
-/* Token t sits at cache row pos0 + t and attends to rows [0, pos0 + t]. */
+/* Ask for the cache lines of n floats at p (rows a page apart defeat the hardware's). */
+static inline void prefetch_row(const float *p, int64_t n)
+{
+    for (int64_t i = 0; i < n; i += 16)
+        __builtin_prefetch(p + i, 0, 0);
+}
+
+/*
+ * Softmax attention of the `groups` query heads of kv head g over cache rows [lo, hi): each
+ * key and value row is read once for all of them. Leaves, per head, the running max,
+ * the sum of exponentials and the unnormalised output (acc [groups, d]).
+ */
+static void attend_span(const struct fr_layer *L, const float *restrict q, int64_t g,
+                        int64_t lo, int64_t hi, float *restrict s, float *restrict top,
+                        float *restrict sum, float *restrict acc)
+{
+    const int64_t d = L->hd, groups = L->hq / L->hkv, n = hi - lo, stride = L->seq_stride;
+    const int vec = d % 8 == 0;  /* head dims are multiples of 8 in practice */
+    const float scaling = L->scaling;
+    const float *restrict kb = L->keys + g * L->head_stride + lo * stride;
+    const float *restrict vb = L->values + g * L->head_stride + lo * stride;
+    for (int64_t j = 0; j < groups; j++) {
+        top[j] = -INFINITY;
+        sum[j] = 0.0f;
+    }
+    /* Rows are a whole arena row apart (one page or more): prefetch a few ahead. */
+    for (int64_t r = 0; r < n; r++) {
+        const float *kr = kb + r * stride;
+        prefetch_row(kr + PREFETCH_ROWS * stride, d);
+        for (int64_t j = 0; j < groups; j++) {
+            const float *qj = q + (g * groups + j) * 2 * d;
+            float v;
+            if (vec) {
+                v8 a = {0};
+                for (int64_t i = 0; i < d; i += 8)
+                    a += load8(qj + i) * load8(kr + i);
+                v = hsum8(a);
+            } else {
+                v = dot(qj, kr, d);
+            }
+            v *= scaling;
+            s[j * n + r] = v;
+            top[j] = v > top[j] ? v : top[j];
+        }
+    }
+    for (int64_t j = 0; j < groups * d; j++)
+        acc[j] = 0.0f;
+    for (int64_t j = 0; j < groups; j++)
+        for (int64_t r = 0; r < n; r++) {
+            s[j * n + r] = expf(s[j * n + r] - top[j]);
+            sum[j] += s[j * n + r];
+        }
+    for (int64_t r = 0; r < n; r++) {
+        const float *vr = vb + r * stride;
+        prefetch_row(vr + PREFETCH_ROWS * stride, d);
+        for (int64_t j = 0; j < groups; j++) {
+            const float p = s[j * n + r];
+            float *a = acc + j * d;
+            if (vec) {
+                for (int64_t i = 0; i < d; i += 8)
+                    store8(a + i, load8(a + i) + p * load8(vr + i));
+            } else {
+                for (int64_t i = 0; i < d; i++)
+                    a[i] += p * vr[i];
+            }
+        }
+    }
+}
+
+/*
+ * Token t sits at cache row pos0 + t and attends to rows [0, pos0 + t]. The rows are cut
+ * into spans of SPAN; each (kv head, span) is a work item and the spans of a head merge in
+ * order, so the result does not depend on the number of threads.
+ */
 static void attention(const struct fr_layer *L, const float *x, float *out, float *buf,
-                      int64_t T, int64_t pos0, int64_t max_len)
+                      int64_t T, int64_t pos0)
 {
     const int64_t hq = L->hq, hkv = L->hkv, d = L->hd, groups = hq / hkv, H = L->hidden;
-    float *qg = buf, *kk = qg + T * 2 * hq * d, *vv = kk + T * hkv * d, *att = vv + T * hkv * d;
+    float *qg = buf, *att = qg + T * (2 * hq * d + 2 * hkv * d);
     float *cosv = att + T * hq * d, *sinv = cosv + L->rot, *scores = sinv + L->rot;
-    matmul(L->w_q, x, qg, 2 * hq * d, H, T, L->nthreads);
-    matmul(L->w_k, x, kk, hkv * d, H, T, L->nthreads);
-    matmul(L->w_v, x, vv, hkv * d, H, T, L->nthreads);
+    const float *w[3] = {L->w_q, L->w_k, L->w_v};
+    const int64_t rows[3] = {2 * hq * d, hkv * d, hkv * d}, width = 2 * hq * d + 2 * hkv * d;
+    project(w, rows, 3, x, qg, H, T, width, L->nthreads);  /* qg[t] = [q | k | v] */
     for (int64_t t = 0; t < T; t++) {
         const int64_t pos = pos0 + t, kv_len = pos + 1;
-        float *q = qg + t * 2 * hq * d, *k = kk + t * hkv * d, *v = vv + t * hkv * d;
+        float *q = qg + t * width, *k = q + 2 * hq * d, *v = k + hkv * d;
         for (int64_t i = 0; i < L->rot / 2; i++) {
             float f = (float)(pos + L->rope_offset) * L->inv_freq[i];
             cosv[i] = cosv[i + L->rot / 2] = cosf(f) * L->rope_scale;
@@ -253,30 +361,32 @@ static void attention(const struct fr_layer *L, const float *x, float *out, floa
                    (size_t)d * sizeof(float));
         }
         *L->length += 1;
+        const int64_t spans = (kv_len + SPAN - 1) / SPAN, item = groups * (SPAN + d + 2);
         #pragma omp parallel for schedule(static) num_threads(L->nthreads) if (hq * kv_len * d >= PARALLEL_MIN)
+        for (int64_t w = 0; w < hkv * spans; w++) {
+            const int64_t g = w / spans, lo = (w % spans) * SPAN;
+            const int64_t hi = lo + SPAN < kv_len ? lo + SPAN : kv_len;
+            float *s = scores + w * item, *top = s + groups * SPAN, *sum = top + groups;
+            attend_span(L, q, g, lo, hi, s, top, sum, sum + groups);
+        }
         for (int64_t h = 0; h < hq; h++) {
-            const int64_t g = h / groups;
-            const float *qh = q + h * 2 * d, *kb = L->keys + g * L->head_stride;
-            const float *vb = L->values + g * L->head_stride;
-            float *s = scores + h * max_len, *oh = att + t * hq * d + h * d;
-            float top = -INFINITY, sum = 0.0f;
-            for (int64_t j = 0; j < kv_len; j++) {
-                s[j] = dot(qh, kb + j * L->seq_stride, d) * L->scaling;
-                top = s[j] > top ? s[j] : top;
-            }
-            for (int64_t j = 0; j < kv_len; j++) {
-                s[j] = expf(s[j] - top);
-                sum += s[j];
+            const int64_t g = h / groups, j = h % groups;
+            float best = -INFINITY, total = 0.0f, *oh = att + t * hq * d + h * d;
+            for (int64_t sp = 0; sp < spans; sp++) {
+                const float m = scores[(g * spans + sp) * item + groups * SPAN + j];
+                best = m > best ? m : best;
             }
             for (int64_t i = 0; i < d; i++)
                 oh[i] = 0.0f;
-            for (int64_t j = 0; j < kv_len; j++) {
-                const float w = s[j] / sum, *vt = vb + j * L->seq_stride;
+            for (int64_t sp = 0; sp < spans; sp++) {
+                const float *base = scores + (g * spans + sp) * item + groups * SPAN;
+                const float c = expf(base[j] - best), *acc = base + 2 * groups + j * d;
+                total += c * base[groups + j];
                 for (int64_t i = 0; i < d; i++)
-                    oh[i] += w * vt[i];
+                    oh[i] += c * acc[i];
             }
             for (int64_t i = 0; i < d; i++)
-                oh[i] *= sigmoid(q[h * 2 * d + d + i]);
+                oh[i] = oh[i] / total * sigmoid(q[h * 2 * d + d + i]);
         }
     }
     matmul(L->w_o, att, out, H, hq * d, T, L->nthreads);
@@ -286,18 +396,17 @@ static void attention(const struct fr_layer *L, const float *x, float *out, floa
  * T tokens through one layer: h[t] += mixer(in_norm(h[t])); h[t] += mlp(post_norm(h[t])).
  * Token t is at the layer's cache row pos0 + t. save: see gated_delta (attention: unused).
  */
-void fr_layer(const struct fr_layer *L, float *h, int64_t T, int64_t pos0, int64_t max_len,
-              float *save)
+void fr_layer(const struct fr_layer *L, float *h, int64_t T, int64_t pos0, float *save)
 {
     const int64_t H = L->hidden;
-    float *x = L->scratch, *mixed = x + T * H, *g = mixed + T * H, *u = g + T * L->inter;
+    float *x = L->scratch, *mixed = x + T * H, *g = mixed + T * H, *u = g + 2 * T * L->inter;
     float *buf = u + T * L->inter;
     for (int64_t t = 0; t < T; t++)
         rms_norm(h + t * H, L->in_norm, x + t * H, H, L->eps);
     if (L->kind == 0)
         gated_delta(L, x, mixed, buf, T, save);
     else
-        attention(L, x, mixed, buf, T, pos0, max_len);
+        attention(L, x, mixed, buf, T, pos0);
     for (int64_t i = 0; i < T * H; i++)
         h[i] += mixed[i];
     mlp(L, h, x, g, u, T);

@@ -31,12 +31,15 @@ import threading
 import torch
 from torch.nn.modules import module as torch_module
 
+from ..state.memory import huge_page_memory
+
 SOURCE = Path(__file__).with_name('cpu_step.c')
 CACHE_ENV = 'FLASHRT_KERNEL_CACHE'
 # Tried in order: the first that compiles is used (-march=native is not known everywhere).
 FLAG_SETS = (['-march=native'], ['-mcpu=native'], [])
 BASE_FLAGS = ['-O3', '-std=gnu11', '-fopenmp', '-fPIC', '-shared']
 MAX_TOKENS = 4  # tokens one call takes: a speculative verify of up to 3 drafts
+SPAN = 64  # cache rows per attention work item (cpu_step.c SPAN)
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _F = ctypes.c_float
@@ -136,7 +139,7 @@ def _load(path: Path) -> ctypes.CDLL:
         raise Unavailable(f'cannot load {str(path)!r}: {exc}') from exc
     ids = ctypes.POINTER(_I)
     signatures = {
-        'fr_layer': [ctypes.POINTER(FrLayer), _P, _I, _I, _I, _P],
+        'fr_layer': [ctypes.POINTER(FrLayer), _P, _I, _I, _P],
         'fr_embed': [_P, ids, _I, _P, _I],
         'fr_head': [_P, _P, _F, _P, _P, _P, _I, _I, _I, _I],
         'fr_mtp_input': [_P, ids, _P, _P, _P, _F, _P, _P, _P, _I, _I, _I],
@@ -249,10 +252,11 @@ class _Stack:
         for s in self.structs:
             if s.kind == 0:
                 mixer = 3 * t * (2 * s.hk * s.dk + 2 * s.hv * s.dv + 2 * s.hv)
-            else:
-                mixer = (t * (5 * s.hq * s.hd + 2 * s.hkv * s.hd) + 2 * s.rot
-                         + s.hq * self.max_len)
-            most = max(most, t * (2 * s.hidden + 2 * s.inter) + mixer)
+            else:  # cpu_step.c attention(): q|k|v rows, outputs, rotary, span work items
+                spans = -(-self.max_len // SPAN)
+                mixer = (t * (3 * s.hq * s.hd + 2 * s.hkv * s.hd) + 2 * s.rot
+                         + spans * s.hq * (SPAN + s.hd + 2))
+            most = max(most, t * (2 * s.hidden + 3 * s.inter) + mixer)
         return most
 
     def state_floats(self, s: FrLayer) -> int:
@@ -273,7 +277,7 @@ class _Stack:
                 if self.saves[i] is None:
                     self.saves[i] = torch.zeros((self.max_tokens - 1, self.state_floats(s)))
                 keep = self.saves[i].data_ptr()
-            lib.fr_layer(ctypes.byref(s), h.data_ptr(), tokens, pos0, self.max_len, keep)
+            lib.fr_layer(ctypes.byref(s), h.data_ptr(), tokens, pos0, keep)
 
     def keep_prefix(self, views: list[tuple], used: int, tokens: int) -> None:
         """
@@ -306,6 +310,25 @@ def _qwen3_next_order(m) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in (q, k, v, z, b, a)]).to(torch.int32)
 
 
+def _onto_huge_pages(model) -> None:
+    """
+    Move the model's float32 parameters into one buffer that Linux may back with 2 MiB pages.
+
+    A decode step streams every weight once; on 4 KiB pages that is a TLB miss every 4 KiB.
+    Each parameter is copied once into its slice and points there (same values; the old
+    memory is freed), so the model, its fingerprint and transformers' paths see no change.
+    """
+    params = [p for p in model.parameters() if p.dtype == torch.float32]
+    sizes = [-(-p.numel() // 16) * 16 for p in params]  # 64-byte aligned slices
+    buf = huge_page_memory(4 * sum(sizes)).view(torch.float32)
+    at = 0
+    for p, size in zip(params, sizes):
+        view = buf[at:at + p.numel()].view(p.shape)
+        view.copy_(p.data)
+        p.data = view
+        at += size
+
+
 def _hooked(modules) -> bool:
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return True
@@ -318,6 +341,7 @@ class CpuDecode:
     def __init__(self, model, views: dict[str, torch.Tensor], max_len: int,
                  max_tokens: int = MAX_TOKENS):
         self.lib = library()
+        _onto_huge_pages(model)  # before any pointer into the weights is taken
         self.modules = list(model.modules())
         self.embed = model.model.embed_tokens.weight  # [V, H]
         self.head = model.lm_head.weight  # [V, H]

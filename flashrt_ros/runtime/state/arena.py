@@ -47,6 +47,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from .memory import huge_page_memory
 from ..errors import FlashRTError
 
 ALIGN = 256  # bytes; keeps every head view aligned for any dtype and for vectorized copies
@@ -231,7 +232,8 @@ class StateArena:
         self.manifest: tuple[ManifestEntry, ...] = tuple(entries[s.name] for s in specs)
         self.nbytes = max(_align(self.prefix_nbytes(self.rows), align), align)
         # The single allocation. Zero-filled: zero is the "no state yet" value of every component.
-        self.storage = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)
+        self.storage = (huge_page_memory(self.nbytes) if self.device.type == 'cpu' else
+                        torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device))
         self.views: dict[str, torch.Tensor] = {e.name: self.view(e) for e in self.manifest}
         self._by_name = {e.name: e for e in self.manifest}
         self.seq_kinds = {e.kind for e in self.manifest if e.strides is not None}  # row block

@@ -13,10 +13,36 @@ out again instead of page-faulting fresh memory in.
 from __future__ import annotations
 
 import collections
+import ctypes
 import threading
 import weakref
 
 import torch
+
+HUGE_PAGE = 2 << 20  # bytes of a transparent huge page on x86-64 and arm64 (4 KiB base)
+_MADV_HUGEPAGE = 14  # Linux
+
+
+def huge_page_memory(nbytes: int) -> torch.Tensor:
+    """
+    Return nbytes of zeroed host memory that Linux may back with 2 MiB pages.
+
+    Streaming a large buffer (the weights in a decode step, the arena's rows in attention,
+    a whole-state copy) through 4 KiB pages misses the TLB every 4 KiB; advised before its
+    first touch, the buffer gets transparent huge pages where the kernel allows them
+    (THP "madvise" or "always"). Elsewhere it is plain memory.
+    """
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % HUGE_PAGE
+    buf = raw[start:start + nbytes]
+    if nbytes >= HUGE_PAGE:
+        try:
+            madvise = ctypes.CDLL(None, use_errno=True).madvise
+            madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            madvise(buf.data_ptr(), nbytes - nbytes % HUGE_PAGE, _MADV_HUGEPAGE)
+        except (AttributeError, OSError):  # no madvise here: plain pages
+            pass
+    return buf.zero_()
 
 
 class BlobPool:
