@@ -105,7 +105,7 @@ def build_runtime(args, plan):
     rt = Runtime(RuntimeConfig(
         model=args.model, device=args.device, dtype=args.dtype,
         max_seq_len=max(plan.lengths + [512]) + 128, device_budget_bytes=0,
-        host_budget_bytes=0, disk_budget_bytes=0,
+        host_budget_bytes=0, disk_budget_bytes=0, prompt_format='raw',  # token ids as given
         capsule_dir=os.path.join(plan.workdir, 'capsules')))
     rt.warmup()
     return rt

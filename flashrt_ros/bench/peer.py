@@ -56,7 +56,7 @@ def qwen35_checkpoint(model, directory):
     r, dv = cfg.linear_num_value_heads // hk, cfg.linear_value_head_dim
     tensors = {}
     for name, t in model.state_dict().items():
-        t = t.detach().float().contiguous()
+        t = t.detach().float().clone()  # its own memory: safetensors refuses shared storage
         if name.endswith('in_proj_qkvz.weight'):
             q, k, v, z = t.view(hk, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], 1)
             base = name.removesuffix('in_proj_qkvz.weight')

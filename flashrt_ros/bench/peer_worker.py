@@ -61,8 +61,9 @@ class Peer:
             # per byte (GPT-2's byte-to-text map), then the specials, then padding.
             n = config['vocab_size']
             to_text = _gpt2_bytes()
-            special = {config['bos_token_id']: '<bos>', config['eos_token_id']: '<eos>',
-                       config['pad_token_id']: '<pad>'}
+            ids = {key: v if isinstance(v, list) else [] if v is None else [v]
+                   for key, v in ((k, config.get(f'{k}_token_id')) for k in ('bos', 'eos', 'pad'))}
+            special = {i: f'<{key}{i}>' for key, values in ids.items() for i in values}
             tokens = [to_text[i] if i < 256 else special.get(i, f'<unused{i}>')
                       for i in range(n)]
             types = [gguf.TokenType.NORMAL if i < 256 else gguf.TokenType.CONTROL
@@ -74,9 +75,10 @@ class Peer:
             w.add_token_types(types)
             # llama.cpp refuses a BPE vocab without merges; one suffices (ids are fed directly)
             w.add_token_merges([f'{tokens[33]} {tokens[33]}'])
-            w.add_bos_token_id(config['bos_token_id'])
-            w.add_eos_token_id(config['eos_token_id'])
-            w.add_pad_token_id(config['pad_token_id'])
+            for key, add in (('bos', w.add_bos_token_id), ('eos', w.add_eos_token_id),
+                             ('pad', w.add_pad_token_id)):
+                if ids[key]:
+                    add(ids[key][0])
             w.add_add_bos_token(False)
 
         cls.set_vocab = set_vocab

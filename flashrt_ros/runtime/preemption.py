@@ -19,6 +19,7 @@ module, Ctrl-C) puts the newest committed boundary back (guarded_forward).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 
 import torch
@@ -28,6 +29,17 @@ from .state.capsule import CapsuleInfo
 
 class StepAborted(Exception):
     """Raised inside the model when a running step is abandoned (the state is then torn)."""
+
+
+# Preemptions armed in this process. Compiled code that calls no module (models/cpu_step.c)
+# polls it between layers and, when set, meets the global hook there as a module call would.
+ARMED = ctypes.c_int32(0)
+_armed_lock = threading.Lock()
+
+
+def _arm(step: int) -> None:
+    with _armed_lock:
+        ARMED.value += step
 
 
 class Preemption:
@@ -54,6 +66,7 @@ class Preemption:
                     raise StepAborted()
 
             self.hook = torch.nn.modules.module.register_module_forward_pre_hook(check)
+            _arm(1)
 
 
 def preempt_with(rt, run) -> CapsuleInfo:
@@ -75,6 +88,7 @@ def preempt_with(rt, run) -> CapsuleInfo:
             rt._preemption = None
             if request.hook is not None:
                 request.hook.remove()
+                _arm(-1)
     if request.error is not None:
         raise request.error
     return request.result

@@ -1,5 +1,8 @@
 """The compiled CPU step: transformers' tokens, exact multi-token calls, and its fallbacks."""
 
+import threading
+
+from flashrt_ros.runtime import preemption
 from flashrt_ros.runtime.models import cpu_step
 from flashrt_ros.runtime.preemption import StepAborted
 import pytest
@@ -91,12 +94,38 @@ def test_a_preemption_arriving_mid_step_is_met_between_layers(make_runtime):
             raise StepAborted()
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
+    preemption._arm(1)  # what an armed Preemption does: the C loop polls it between layers
     try:
         with pytest.raises(StepAborted):
             cs.forward([5], rt.position)
     finally:
+        preemption._arm(-1)
         handle.remove()
     assert met == layers[:2]  # checked before each layer, as a module call would be
+    assert preemption.ARMED.value == 0
+
+
+def test_a_real_preemption_ends_a_compiled_turn(make_runtime):
+    rt = make_runtime('builtin:tiny-hybrid', max_seq_len=2048)
+    rt.prefill(PROMPT, raw=True)
+    rt.snapshot('a')
+    digest = rt.state_digest()
+    gen = rt.generate(max_new_tokens=1500, stop=(), eos=False)
+    next(gen)
+    done = threading.Event()
+
+    def drain():
+        for _ in gen:
+            pass
+        done.set()
+
+    thread = threading.Thread(target=drain)
+    thread.start()
+    info = rt.restore('a', preempt=True)
+    thread.join(30.0)
+    assert done.is_set() and gen.result.stop_reason == 'interrupted'
+    assert info.name == 'a' and rt.state_digest() == digest
+    assert preemption.ARMED.value == 0 and not rt.generating
 
 
 def test_without_a_compiler_the_runtime_says_why_and_runs_exact(make_runtime, monkeypatch,

@@ -16,13 +16,33 @@
  * construction, and reads each weight once for all its tokens.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
 /* Below this many multiply-adds a loop stays on the calling thread: waking the pool costs
  * more than the work (and much more when another process holds the other cores). */
 #define PARALLEL_MIN 262144L
-#define LANES 16
+/*
+ * Run CALL (a call that reads lo and hi) over [0, n): split over a team of `nthreads` when
+ * `work` is worth waking it, else on this thread with no OpenMP call at all.
+ */
+#define SPLIT(n, work, nthreads, CALL)                                                     \
+    do {                                                                                   \
+        const int team_ = (int)(nthreads);                                                 \
+        if (team_ > 1 && (work) >= PARALLEL_MIN && (n) > 1) {                              \
+            _Pragma("omp parallel num_threads(team_)")                                     \
+            {                                                                              \
+                const int64_t c_ = omp_get_num_threads(), t_ = omp_get_thread_num();       \
+                const int64_t lo = (n) * t_ / c_, hi = (n) * (t_ + 1) / c_;                \
+                CALL;                                                                      \
+            }                                                                              \
+        } else {                                                                           \
+            const int64_t lo = 0, hi = (n);                                                \
+            CALL;                                                                          \
+        }                                                                                  \
+    } while (0)
+
 #define SPAN 64  /* cache rows per attention work item: its K and V rows stay in L2 */
 #define PREFETCH_ROWS 8
 
@@ -72,17 +92,20 @@ static inline float hsum8(v8 v)
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
+/* Two vector accumulators in registers: enough loads in flight to stream a weight row. */
 static inline float dot(const float *a, const float *b, int64_t n)
 {
-    float acc[LANES] = {0};
+    v8 s0 = {0}, s1 = {0};
     int64_t j = 0;
-    for (; j + LANES <= n; j += LANES)
-        for (int l = 0; l < LANES; l++)
-            acc[l] += a[j + l] * b[j + l];
-    for (int w = LANES / 2; w > 0; w /= 2)
-        for (int l = 0; l < w; l++)
-            acc[l] += acc[l + w];
-    float s = acc[0];
+    for (; j + 16 <= n; j += 16) {
+        s0 += load8(a + j) * load8(b + j);
+        s1 += load8(a + j + 8) * load8(b + j + 8);
+    }
+    if (j + 8 <= n) {
+        s0 += load8(a + j) * load8(b + j);
+        j += 8;
+    }
+    float s = hsum8(s0 + s1);
     for (; j < n; j++)
         s += a[j] * b[j];
     return s;
@@ -93,21 +116,26 @@ static inline float dot(const float *a, const float *b, int64_t n)
  * the matrices' rows split over the threads in one parallel region, and each row of W is
  * read once for all T tokens.
  */
+static void project_rows(const float *const *w, const int64_t *rows, const float *x,
+                         float *y, int64_t k, int64_t T, int64_t width, int64_t lo, int64_t hi)
+{
+    int m = 0;
+    int64_t first = 0;  /* the first row of matrix m */
+    for (int64_t i = lo; i < hi; i++) {
+        while (i - first >= rows[m])
+            first += rows[m++];
+        for (int64_t t = 0; t < T; t++)
+            y[t * width + i] = dot(w[m] + (i - first) * k, x + t * k, k);
+    }
+}
+
 static void project(const float *const *w, const int64_t *rows, int count, const float *x,
                     float *y, int64_t k, int64_t T, int64_t width, int nthreads)
 {
     int64_t n = 0;
     for (int m = 0; m < count; m++)
         n += rows[m];
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (n * k >= PARALLEL_MIN)
-    for (int64_t i = 0; i < n; i++) {
-        int m = 0;
-        int64_t r = i;
-        while (r >= rows[m])
-            r -= rows[m++];
-        for (int64_t t = 0; t < T; t++)
-            y[t * width + i] = dot(w[m] + r * k, x + t * k, k);
-    }
+    SPLIT(n, n * k * T, nthreads, project_rows(w, rows, x, y, k, T, width, lo, hi));
 }
 
 /* y[t, n] = W[n, k] x[t, k] for t < T */
@@ -159,11 +187,15 @@ static void mlp(const struct fr_layer *L, float *h, float *x, float *g, float *u
         h[i] += x[i];
 }
 
+static void delta_heads(const struct fr_layer *L, const float *q, const float *k,
+                        const float *v, const float *z, const float *b, const float *a,
+                        float *o, int64_t lo, int64_t hi);
+
 /* One token's conv + gated delta rule + gated norm; p is its canonical projection row. */
 static void delta_token(const struct fr_layer *L, float *p, float *o)
 {
     const int64_t hk = L->hk, hv = L->hv, dk = L->dk, dv = L->dv, K = L->conv_k;
-    const int64_t conv_dim = 2 * hk * dk + hv * dv, r = hv / hk;
+    const int64_t conv_dim = 2 * hk * dk + hv * dv;
     /* conv: shift the token into the window, then one K-tap dot product per channel */
     for (int64_t c = 0; c < conv_dim; c++) {
         float *s = L->conv_state + c * K;
@@ -181,8 +213,16 @@ static void delta_token(const struct fr_layer *L, float *p, float *o)
         l2_norm(q + i * dk, dk, 1.0f / sqrtf((float)dk));
         l2_norm(k + i * dk, dk, 1.0f);
     }
-    #pragma omp parallel for schedule(static) num_threads(L->nthreads) if (hv * dk * dv >= PARALLEL_MIN)
-    for (int64_t h = 0; h < hv; h++) {
+    SPLIT(hv, hv * dk * dv, L->nthreads, delta_heads(L, q, k, v, z, b, a, o, lo, hi));
+}
+
+/* The gated delta rule of value heads [lo, hi) for one token (see delta_token). */
+static void delta_heads(const struct fr_layer *L, const float *q, const float *k,
+                        const float *v, const float *z, const float *b, const float *a,
+                        float *o, int64_t lo, int64_t hi)
+{
+    const int64_t dk = L->dk, dv = L->dv, r = L->hv / L->hk;
+    for (int64_t h = lo; h < hi; h++) {
         const float *qh = q + (h / r) * dk, *kh = k + (h / r) * dk, *vh = v + h * dv;
         float *S = L->recurrent + h * dk * dv, *oh = o + h * dv;
         const float decay = expf(L->neg_a[h] * softplus(a[h] + L->dt_bias[h]));
@@ -326,6 +366,19 @@ static void attend_span(const struct fr_layer *L, const float *restrict q, int64
     }
 }
 
+/* Work items [lo, hi) of attention(): (kv head, span of SPAN rows), results in scores. */
+static void attend_items(const struct fr_layer *L, const float *q, int64_t kv_len,
+                         int64_t spans, float *scores, int64_t lo, int64_t hi)
+{
+    const int64_t groups = L->hq / L->hkv, item = groups * (SPAN + L->hd + 2);
+    for (int64_t w = lo; w < hi; w++) {
+        const int64_t g = w / spans, first = (w % spans) * SPAN;
+        const int64_t last = first + SPAN < kv_len ? first + SPAN : kv_len;
+        float *s = scores + w * item, *top = s + groups * SPAN, *sum = top + groups;
+        attend_span(L, q, g, first, last, s, top, sum, sum + groups);
+    }
+}
+
 /*
  * Token t sits at cache row pos0 + t and attends to rows [0, pos0 + t]. The rows are cut
  * into spans of SPAN; each (kv head, span) is a work item and the spans of a head merge in
@@ -362,13 +415,8 @@ static void attention(const struct fr_layer *L, const float *x, float *out, floa
         }
         *L->length += 1;
         const int64_t spans = (kv_len + SPAN - 1) / SPAN, item = groups * (SPAN + d + 2);
-        #pragma omp parallel for schedule(static) num_threads(L->nthreads) if (hq * kv_len * d >= PARALLEL_MIN)
-        for (int64_t w = 0; w < hkv * spans; w++) {
-            const int64_t g = w / spans, lo = (w % spans) * SPAN;
-            const int64_t hi = lo + SPAN < kv_len ? lo + SPAN : kv_len;
-            float *s = scores + w * item, *top = s + groups * SPAN, *sum = top + groups;
-            attend_span(L, q, g, lo, hi, s, top, sum, sum + groups);
-        }
+        SPLIT(hkv * spans, hq * kv_len * d, L->nthreads,
+              attend_items(L, q, kv_len, spans, scores, lo, hi));
         for (int64_t h = 0; h < hq; h++) {
             const int64_t g = h / groups, j = h % groups;
             float best = -INFINITY, total = 0.0f, *oh = att + t * hq * d + h * d;
@@ -396,7 +444,7 @@ static void attention(const struct fr_layer *L, const float *x, float *out, floa
  * T tokens through one layer: h[t] += mixer(in_norm(h[t])); h[t] += mlp(post_norm(h[t])).
  * Token t is at the layer's cache row pos0 + t. save: see gated_delta (attention: unused).
  */
-void fr_layer(const struct fr_layer *L, float *h, int64_t T, int64_t pos0, float *save)
+static void layer(const struct fr_layer *L, float *h, int64_t T, int64_t pos0, float *save)
 {
     const int64_t H = L->hidden;
     float *x = L->scratch, *mixed = x + T * H, *g = mixed + T * H, *u = g + 2 * T * L->inter;
@@ -410,6 +458,24 @@ void fr_layer(const struct fr_layer *L, float *h, int64_t T, int64_t pos0, float
     for (int64_t i = 0; i < T * H; i++)
         h[i] += mixed[i];
     mlp(L, h, x, g, u, T);
+}
+
+/*
+ * Layers [from, count) in order; saves: NULL or one pointer (or NULL) per layer. After the
+ * first, a layer is not started while *stop is set (a waiting preemption: the caller meets
+ * it there, as a module call would). Returns the index of the first layer not run.
+ */
+int64_t fr_layers(struct fr_layer *layers, int64_t from, int64_t count, float *h, int64_t T,
+                  int64_t pos0, float *const *saves, int64_t nthreads,
+                  const volatile int32_t *stop)
+{
+    for (int64_t i = from; i < count; i++) {
+        if (i > from && *stop)
+            return i;
+        layers[i].nthreads = nthreads;
+        layer(&layers[i], h, T, pos0, saves ? saves[i] : NULL);
+    }
+    return count;
 }
 
 /* h[t] = embedding row tokens[t] */

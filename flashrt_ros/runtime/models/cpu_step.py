@@ -31,7 +31,8 @@ import threading
 import torch
 from torch.nn.modules import module as torch_module
 
-from ..state.memory import huge_page_memory
+from ..preemption import ARMED
+from ..state.memory import HUGE_PAGE, huge_page_memory
 
 SOURCE = Path(__file__).with_name('cpu_step.c')
 CACHE_ENV = 'FLASHRT_KERNEL_CACHE'
@@ -139,14 +140,14 @@ def _load(path: Path) -> ctypes.CDLL:
         raise Unavailable(f'cannot load {str(path)!r}: {exc}') from exc
     ids = ctypes.POINTER(_I)
     signatures = {
-        'fr_layer': [ctypes.POINTER(FrLayer), _P, _I, _I, _P],
+        'fr_layers': [ctypes.POINTER(FrLayer), _I, _I, _P, _I, _I, _P, _I, _P],
         'fr_embed': [_P, ids, _I, _P, _I],
         'fr_head': [_P, _P, _F, _P, _P, _P, _I, _I, _I, _I],
         'fr_mtp_input': [_P, ids, _P, _P, _P, _F, _P, _P, _P, _I, _I, _I],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, None
+        fn.argtypes, fn.restype = argtypes, (_I if name == 'fr_layers' else None)
     return lib
 
 
@@ -263,21 +264,34 @@ class _Stack:
         """Floats of one token's kept state of a gated-DeltaNet layer (conv, recurrent)."""
         return (2 * s.hk * s.dk + s.hv * s.dv) * s.conv_k + s.hv * s.dk * s.dv
 
+    def finish(self, scratch: torch.Tensor) -> None:
+        """Lay the structs out as the array fr_layers takes, all sharing `scratch`."""
+        for s in self.structs:
+            s.scratch = scratch.data_ptr()
+        self.array = (FrLayer * len(self.structs))(*self.structs)
+        self._save_ptrs = None
+
+    def save_pointers(self):
+        """Return the per-layer save pointers of a kept run (allocated on first use)."""
+        if self._save_ptrs is None:
+            for i, s in enumerate(self.structs):
+                if s.kind == 0:
+                    self.saves[i] = torch.zeros((self.max_tokens - 1, self.state_floats(s)))
+            self._save_ptrs = (_P * len(self.saves))(*(_ptr(t) for t in self.saves))
+        return self._save_ptrs
+
     def run(self, lib, h: torch.Tensor, tokens: int, pos0: int, save: bool) -> None:
         """Run `tokens` rows of h [T, H] through every layer, the first at row pos0."""
-        nthreads = torch.get_num_threads()
+        nthreads, count = torch.get_num_threads(), len(self.modules)
         pre_hooks = torch_module._global_forward_pre_hooks
-        for i, (s, layer) in enumerate(zip(self.structs, self.modules)):
-            if pre_hooks:  # a preemption arrived: meet it here as a module call would
+        saves = self.save_pointers() if save and tokens > 1 else None
+        at = 0
+        while at < count:
+            if pre_hooks:  # a preemption is armed: meet it here, as a module call would
                 for hook in list(pre_hooks.values()):
-                    hook(layer, ())
-            s.nthreads = nthreads
-            keep = None
-            if save and s.kind == 0 and tokens > 1:
-                if self.saves[i] is None:
-                    self.saves[i] = torch.zeros((self.max_tokens - 1, self.state_floats(s)))
-                keep = self.saves[i].data_ptr()
-            lib.fr_layer(ctypes.byref(s), h.data_ptr(), tokens, pos0, keep)
+                    hook(self.modules[at], ())
+            at = lib.fr_layers(self.array, at, count, h.data_ptr(), tokens, pos0, saves,
+                               nthreads, ctypes.byref(ARMED))
 
     def keep_prefix(self, views: list[tuple], used: int, tokens: int) -> None:
         """
@@ -312,27 +326,29 @@ def _qwen3_next_order(m) -> torch.Tensor:
 
 def _onto_huge_pages(model) -> None:
     """
-    Move the model's float32 parameters into one buffer that Linux may back with 2 MiB pages.
+    Move the model's float32 parameters into one buffer Linux may back with 2 MiB pages.
 
     A decode step streams every weight once; on 4 KiB pages that is a TLB miss every 4 KiB.
-    Each parameter is copied once into its slice and points there (same values; the old
-    memory is freed), so the model, its fingerprint and transformers' paths see no change.
+    Each parameter is copied once into its own slice and points there (same values; the
+    old memory is freed). Every slice is a storage of its own (numpy views of the buffer),
+    so the model, its fingerprint, its save_pretrained() and transformers' paths see
+    separate tensors as before.
     """
-    params = [p for p in model.parameters() if p.dtype == torch.float32]
+    params = [p for p in model.parameters() if p.dtype == torch.float32 and p.is_contiguous()]
     sizes = [-(-p.numel() // 16) * 16 for p in params]  # 64-byte aligned slices
-    buf = huge_page_memory(4 * sum(sizes)).view(torch.float32)
+    if 4 * sum(sizes) < HUGE_PAGE:
+        return
+    memory = huge_page_memory(4 * sum(sizes)).view(torch.float32).numpy()
     at = 0
     for p, size in zip(params, sizes):
-        view = buf[at:at + p.numel()].view(p.shape)
-        view.copy_(p.data)
-        p.data = view
+        p.data = torch.from_numpy(memory[at:at + p.numel()]).view(p.shape).copy_(p.data)
         at += size
 
 
-def _hooked(modules) -> bool:
-    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+def _hook_dicts(modules) -> list:
+    """Return the forward hook dicts of `modules` and torch's global ones (never replaced)."""
+    return [torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks] + [
+        d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks)]
 
 
 class CpuDecode:
@@ -342,7 +358,7 @@ class CpuDecode:
                  max_tokens: int = MAX_TOKENS):
         self.lib = library()
         _onto_huge_pages(model)  # before any pointer into the weights is taken
-        self.modules = list(model.modules())
+        self._hooks = _hook_dicts(model.modules())
         self.embed = model.model.embed_tokens.weight  # [V, H]
         self.head = model.lm_head.weight  # [V, H]
         norm, rotary = model.model.norm, model.model.rotary_emb
@@ -361,15 +377,14 @@ class CpuDecode:
             self.views.append(state)
         hidden, vocab = self.embed.shape[1], self.head.shape[0]
         self.scratch = torch.zeros(self.stack.scratch_floats())
-        for s in self.stack.structs:
-            s.scratch = self.scratch.data_ptr()
+        self.stack.finish(self.scratch)
         self.h = torch.zeros((max_tokens, hidden))  # [T, H] the residual stream
         self.hidden = torch.zeros((max_tokens, hidden))  # [T, H] post-final-norm
         self.logits = torch.zeros((max_tokens, vocab))  # [T, V]
 
     def observed(self) -> bool:
         """Whether a hook watches the model (then the exact path runs the step)."""
-        return _hooked(self.modules)
+        return any(self._hooks)
 
     @torch.inference_mode()
     def forward(self, tokens, pos0: int, save: bool = False):
@@ -408,7 +423,7 @@ class CpuHead:
 
     def __init__(self, head, main: CpuDecode, keys, values, length, max_len: int):
         self.lib, self.main = main.lib, main
-        self.modules = list(head.modules())
+        self._hooks = _hook_dicts(head.modules())
         self.keep: list[torch.Tensor] = []
         self.stack = _Stack(head.layers, self.keep, max_len, MAX_TOKENS)
         self.stack.add(head.layers[0], (keys, values, length), main.rotary, rope_offset=1)
@@ -418,7 +433,7 @@ class CpuHead:
         self.fc = head.fc.weight  # [H, 2H]
         self.final_norm, self.final_eps = self.stack.folded(head.norm), float(head.norm.eps)
         self.scratch = torch.zeros(self.stack.scratch_floats())
-        self.stack.structs[0].scratch = self.scratch.data_ptr()
+        self.stack.finish(self.scratch)
         hidden, vocab = main.embed.shape[1], main.head.shape[0]
         self.cat = torch.zeros((MAX_TOKENS, 2 * hidden))  # [T, 2H]
         self.h = torch.zeros((MAX_TOKENS, hidden))  # [T, H]
@@ -435,7 +450,7 @@ class CpuHead:
         return None
 
     def observed(self) -> bool:
-        return _hooked(self.modules)
+        return any(self._hooks)
 
     @torch.inference_mode()
     def forward(self, tokens, prev: torch.Tensor, row: int, logits: bool = True):
