@@ -31,7 +31,7 @@ import time
 from flashrt_ros.action import Generate, ImportCapsule
 from flashrt_ros.msg import ActionChunk, AudioChunk, CapsuleEvent, Interrupt, TokenChunk
 from flashrt_ros.qos import AUDIO_QOS, COMMAND_QOS, INTERRUPT_QOS  # noqa: F401 (re-exported)
-from flashrt_ros.qos import STREAM_QOS
+from flashrt_ros.qos import FEEDBACK_QOS, STREAM_QOS
 from flashrt_ros.spin import spin_until_shutdown
 from flashrt_ros.srv import DeleteCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
 from lifecycle_msgs.srv import ChangeState, GetState
@@ -182,9 +182,11 @@ class FlashRTClient:
         self._get_state = service(GetState, 'get_state')
         self._change_state = service(ChangeState, 'change_state')
         self._generate = ActionClient(n, Generate, f'{self.base}/generate',
-                                      callback_group=MutuallyExclusiveCallbackGroup())
+                                      callback_group=MutuallyExclusiveCallbackGroup(),
+                                      feedback_sub_qos_profile=FEEDBACK_QOS)
         self._import = ActionClient(n, ImportCapsule, f'{self.base}/import_capsule',
-                                    callback_group=MutuallyExclusiveCallbackGroup())
+                                    callback_group=MutuallyExclusiveCallbackGroup(),
+                                    feedback_sub_qos_profile=FEEDBACK_QOS)
         self._prompt_pub = n.create_publisher(String, f'{self.base}/prompt', COMMAND_QOS)
         self._interrupt_pub = n.create_publisher(Interrupt, f'{self.base}/interrupt',
                                                  INTERRUPT_QOS)

@@ -9,6 +9,9 @@ _RELIABLE = {'history': HistoryPolicy.KEEP_LAST, 'reliability': ReliabilityPolic
 # in order; the depth bounds what a stalled subscriber piles up; a late joiner has no use
 # for old tokens.
 STREAM_QOS = QoSProfile(depth=100, **_RELIABLE)
+# The ~/generate and ~/import_capsule feedback, as ~/tokens: rclpy's default depth of 10 drops
+# chunks of a fast turn for a consumer that takes a few ms per chunk.
+FEEDBACK_QOS = STREAM_QOS
 # ~/interrupt: an interrupt (e-stop, barge-in) is never dropped, even in a burst while the
 # state group is busy. Publishers must be RELIABLE too.
 INTERRUPT_QOS = QoSProfile(depth=1000, **_RELIABLE)

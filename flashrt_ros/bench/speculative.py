@@ -32,7 +32,7 @@ RESTORES = 60  # restores per runtime for the latency figure
 
 def _config(model, max_seq_len, capsule_dir, **kw):
     return RuntimeConfig(model=model, device='cpu', dtype='float32', max_seq_len=max_seq_len,
-                         capsule_dir=capsule_dir, rollback_depth=2, **kw)
+                         capsule_dir=capsule_dir, rollback_depth=2, prompt_format='raw', **kw)
 
 
 def _rows(model, k_max):

@@ -20,7 +20,7 @@ from diagnostic_msgs.msg import DiagnosticArray
 from flashrt_ros.action import Generate
 from flashrt_ros.msg import ActionChunk, AudioChunk, CapsuleEvent, Interrupt, TokenChunk
 from flashrt_ros.qos import ACTIONS_QOS, AUDIO_QOS, COMMAND_QOS, DIAGNOSTICS_QOS, INTERRUPT_QOS
-from flashrt_ros.qos import OBSERVATION_QOS, STREAM_QOS
+from flashrt_ros.qos import FEEDBACK_QOS, OBSERVATION_QOS, STREAM_QOS
 from flashrt_ros.runtime import BusyError, FlashRTError, Runtime
 from flashrt_ros.runtime.config import TIERS
 from flashrt_ros.session import BUSY_MESSAGE, InterruptMode, Session, Turn, TurnRequest
@@ -116,7 +116,7 @@ class FlashRTNode(LifecycleNode):
             callback_group=self._action_group,
             goal_callback=self._goal_callback,
             handle_accepted_callback=self._handle_accepted_callback,
-            cancel_callback=self._cancel_callback)
+            cancel_callback=self._cancel_callback, feedback_pub_qos_profile=FEEDBACK_QOS)
 
         # A silent QoS mismatch on ~/interrupt would lose every interrupt: it is reported.
         interrupt_events = SubscriptionEventCallbacks(

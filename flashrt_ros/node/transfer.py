@@ -19,6 +19,7 @@ import threading
 import time
 
 from flashrt_ros.action import ImportCapsule
+from flashrt_ros.qos import FEEDBACK_QOS
 from flashrt_ros.runtime import FlashRTError
 from flashrt_ros.runtime.state.capsule import Origin
 from flashrt_ros.runtime.state.transfer import Manifest
@@ -53,7 +54,8 @@ class CapsuleTransfer:
         self._server = ActionServer(
             node, ImportCapsule, '~/import_capsule', self._execute_callback,
             callback_group=self._group, goal_callback=self._goal_callback,
-            cancel_callback=lambda goal_handle: CancelResponse.ACCEPT)
+            cancel_callback=lambda goal_handle: CancelResponse.ACCEPT,
+            feedback_pub_qos_profile=FEEDBACK_QOS)
 
     def _runtime(self, response):
         """Return the active node's runtime, or None with the reason in response."""

@@ -7,8 +7,13 @@ import time
 import pytest
 
 HOME = 'home'
+# The process tests act on turns in flight (interrupts, cancels, deactivation during a
+# 600-token turn): they run the exact decode path, whose steps take milliseconds, not the
+# compiled CPU step, which finishes such a turn before a request crosses DDS.
+# test_node_default_model.py serves the compiled step over ROS.
 NODE_A_PARAMS = {
     'model': 'builtin:tiny-hybrid',
+    'cpu_step': False,
     'max_seq_len': 1024,
     'host_budget_bytes': 400000,       # room for a few host capsules: the full-budget test
     'interrupt_policy': 'restore_home',

@@ -2,7 +2,7 @@
 
 from flashrt_ros.node_process import NodeProcess
 from flashrt_ros.runtime.models.hf import DEFAULT_DIR
-from node_harness import start_client, wait_active
+from node_harness import start_client, wait_active, wait_until
 import pytest
 
 PARAMS = {'max_seq_len': 512, 'system_prompt': 'Return the absolute value of a number.\n'}
@@ -22,6 +22,22 @@ def nodes(tmp_path_factory):
         proc.stop()
 
 
+def _diagnostics(client):
+    """Return the key-values of the client's node in its next /diagnostics message."""
+    from diagnostic_msgs.msg import DiagnosticArray
+    seen = []
+    name = client.base.strip('/')
+    sub = client.node.create_subscription(
+        DiagnosticArray, '/diagnostics',
+        lambda msg: seen.extend({kv.key: kv.value for kv in s.values}
+                                for s in msg.status if name in s.name), 10)
+    try:
+        assert wait_until(lambda: seen, 20.0), 'no /diagnostics message from the node'
+    finally:
+        client.node.destroy_subscription(sub)
+    return seen[0]
+
+
 def _reply(proc):
     client = start_client(proc.name)
     try:
@@ -30,6 +46,7 @@ def _reply(proc):
         # words at the model's end-of-turn token).
         done = client.generate(PROMPT, raw=True, max_new_tokens=40, timeout=120.0)
         assert done.result.success, done.result.message
+        assert _diagnostics(client)['cpu_step'] == 'on'
         return list(done.token_ids), done.result.text
     finally:
         client.close()
@@ -37,6 +54,15 @@ def _reply(proc):
 
 def test_default_and_folder_path_serve_the_same_readable_model(nodes):
     by_name, by_path = (_reply(proc) for proc in nodes)
+    # Both decode with the compiled CPU step; transformers' exact path gives the same tokens.
+    from flashrt_ros.runtime import Runtime, RuntimeConfig
+    exact = Runtime(RuntimeConfig(model='default', max_seq_len=512, cpu_step=False))
+    try:
+        exact.prefill(PARAMS['system_prompt'])
+        expected = [e.token_id for e in exact.generate(PROMPT, raw=True, max_new_tokens=40)]
+    finally:
+        exact.close()
+    assert by_name[0] == expected
     assert 'configured default on cpu' in nodes[0].log(), nodes[0].log()[-2000:]
     assert by_name == by_path
     ids, text = by_name

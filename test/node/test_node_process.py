@@ -11,6 +11,7 @@ import pytest
 
 B_PARAMS = {
     'model': 'builtin:tiny-hybrid',
+    'cpu_step': False,  # a turn still runs when the test deactivates (see NODE_A_PARAMS)
     'max_seq_len': 512,          # another state layout: capsules of node A do not fit
     'autostart': False,
     'system_prompt': 'Other robot.',

@@ -259,8 +259,9 @@ def test_diagnostics(client):
     values = received[0]
     for key in ('state_bytes', 'device_capsules', 'device_bytes_used', 'host_capsules',
                 'disk_capsules', 'last_restore_ms', 'p99_restore_ms', 'last_restore_copied_bytes',
-                'decode_tokens_per_s', 'kernels', 'disk_temp_bytes'):
+                'decode_tokens_per_s', 'kernels', 'disk_temp_bytes', 'cpu_step'):
         assert key in values, key
+    assert values['cpu_step'] == 'off (cpu_step: false)'  # NODE_A_PARAMS
     assert int(values['state_bytes']) > 0 and int(values['device_capsules']) >= 1
     assert values['lifecycle_state'] == 'active'
 

@@ -116,6 +116,38 @@ static inline float dot(const float *a, const float *b, int64_t n)
  * the matrices' rows split over the threads in one parallel region, and each row of W is
  * read once for all T tokens.
  */
+/*
+ * y[t * width] = dot(a, x[t]) for t < T (a constant after inlining): each chunk of the
+ * weight row is loaded once for all tokens, and every token's sum is formed exactly as
+ * dot() forms it, so the result does not depend on T.
+ */
+static inline __attribute__((always_inline)) void dots(const float *a, const float *x,
+                                                       int64_t k, float *y, int64_t width,
+                                                       const int T)
+{
+    v8 s0[4] = {{0}}, s1[4] = {{0}};
+    int64_t j = 0;
+    for (; j + 16 <= k; j += 16) {
+        const v8 a0 = load8(a + j), a1 = load8(a + j + 8);
+        for (int t = 0; t < T; t++) {
+            s0[t] += a0 * load8(x + t * k + j);
+            s1[t] += a1 * load8(x + t * k + j + 8);
+        }
+    }
+    if (j + 8 <= k) {
+        const v8 a0 = load8(a + j);
+        for (int t = 0; t < T; t++)
+            s0[t] += a0 * load8(x + t * k + j);
+        j += 8;
+    }
+    for (int t = 0; t < T; t++) {
+        float s = hsum8(s0[t] + s1[t]);
+        for (int64_t i = j; i < k; i++)
+            s += a[i] * x[t * k + i];
+        y[t * width] = s;
+    }
+}
+
 static void project_rows(const float *const *w, const int64_t *rows, const float *x,
                          float *y, int64_t k, int64_t T, int64_t width, int64_t lo, int64_t hi)
 {
@@ -124,8 +156,17 @@ static void project_rows(const float *const *w, const int64_t *rows, const float
     for (int64_t i = lo; i < hi; i++) {
         while (i - first >= rows[m])
             first += rows[m++];
-        for (int64_t t = 0; t < T; t++)
-            y[t * width + i] = dot(w[m] + (i - first) * k, x + t * k, k);
+        const float *a = w[m] + (i - first) * k;
+        for (int64_t t0 = 0; t0 < T; t0 += 4) {  /* 4 tokens at a time: registers */
+            const float *xt = x + t0 * k;
+            float *yt = y + t0 * width + i;
+            switch (T - t0 < 4 ? T - t0 : 4) {
+            case 1: dots(a, xt, k, yt, width, 1); break;
+            case 2: dots(a, xt, k, yt, width, 2); break;
+            case 3: dots(a, xt, k, yt, width, 3); break;
+            default: dots(a, xt, k, yt, width, 4); break;
+            }
+        }
     }
 }
 

@@ -66,6 +66,9 @@ class FrLayer(ctypes.Structure):
     ]
 
 
+_ARMED = ctypes.byref(ARMED)
+
+
 class Unavailable(Exception):
     """The CPU step cannot run here; the message says why."""
 
@@ -280,8 +283,8 @@ class _Stack:
             self._save_ptrs = (_P * len(self.saves))(*(_ptr(t) for t in self.saves))
         return self._save_ptrs
 
-    def run(self, lib, h: torch.Tensor, tokens: int, pos0: int, save: bool) -> None:
-        """Run `tokens` rows of h [T, H] through every layer, the first at row pos0."""
+    def run(self, lib, h: int, tokens: int, pos0: int, save: bool) -> None:
+        """Run `tokens` rows of the [T, H] buffer at h through every layer, from row pos0."""
         nthreads, count = torch.get_num_threads(), len(self.modules)
         pre_hooks = torch_module._global_forward_pre_hooks
         saves = self.save_pointers() if save and tokens > 1 else None
@@ -290,8 +293,8 @@ class _Stack:
             if pre_hooks:  # a preemption is armed: meet it here, as a module call would
                 for hook in list(pre_hooks.values()):
                     hook(self.modules[at], ())
-            at = lib.fr_layers(self.array, at, count, h.data_ptr(), tokens, pos0, saves,
-                               nthreads, ctypes.byref(ARMED))
+            at = lib.fr_layers(self.array, at, count, h, tokens, pos0, saves, nthreads,
+                               _ARMED)
 
     def keep_prefix(self, views: list[tuple], used: int, tokens: int) -> None:
         """
@@ -381,6 +384,11 @@ class CpuDecode:
         self.h = torch.zeros((max_tokens, hidden))  # [T, H] the residual stream
         self.hidden = torch.zeros((max_tokens, hidden))  # [T, H] post-final-norm
         self.logits = torch.zeros((max_tokens, vocab))  # [T, V]
+        # What every call passes, taken once: the buffers never move.
+        self._args = (self.embed.data_ptr(), self.h.data_ptr(), self.head.data_ptr(),
+                      self.logits.data_ptr(), self.hidden.data_ptr(), hidden, vocab)
+        self._outputs = [None] + [(self.logits[:n], self.hidden[:n])
+                                  for n in range(1, max_tokens + 1)]
 
     def observed(self) -> bool:
         """Whether a hook watches the model (then the exact path runs the step)."""
@@ -394,15 +402,13 @@ class CpuDecode:
         Both are views of buffers the next call overwrites. save: keep the state after each
         token so keep_prefix() can commit a prefix (a speculative verify).
         """
-        n = len(tokens)
-        ids = (ctypes.c_int64 * n)(*tokens)
-        lib, h = self.lib, self.h
-        lib.fr_embed(self.embed.data_ptr(), ids, n, h.data_ptr(), h.shape[1])
+        n, lib = len(tokens), self.lib
+        embed, h, head, logits, hidden, width, vocab = self._args
+        lib.fr_embed(embed, (ctypes.c_int64 * n)(*tokens), n, h, width)
         self.stack.run(lib, h, n, pos0, save)
-        lib.fr_head(h.data_ptr(), self.final_norm, self.final_eps, self.head.data_ptr(),
-                    self.logits.data_ptr(), self.hidden.data_ptr(), h.shape[1],
-                    self.head.shape[0], n, torch.get_num_threads())
-        return self.logits[:n], self.hidden[:n]
+        lib.fr_head(h, self.final_norm, self.final_eps, head, logits, hidden, width, vocab, n,
+                    torch.get_num_threads())
+        return self._outputs[n]
 
     def step(self, token: int, kv_len: int) -> torch.Tensor:
         """Consume one token at position kv_len - 1; return its logits [1, V]."""
@@ -467,7 +473,7 @@ class CpuHead:
         lib.fr_mtp_input(main.embed.data_ptr(), ids, prev.data_ptr(), self.norm_e, self.norm_h,
                          self.eps, self.fc.data_ptr(), self.h.data_ptr(), self.cat.data_ptr(),
                          hidden, n, nthreads)
-        self.stack.run(lib, self.h, n, row - 1, save=False)
+        self.stack.run(lib, self.h.data_ptr(), n, row - 1, save=False)
         lib.fr_head(self.h.data_ptr(), self.final_norm, self.final_eps,
                     main.head.data_ptr() if logits else None, self.logits.data_ptr(),
                     self.hidden.data_ptr(), hidden, main.head.shape[0], n, nthreads)
