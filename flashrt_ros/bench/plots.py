@@ -249,14 +249,15 @@ def fig8(f, path, subtitle):
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
     x = [r['mib'] for r in rows]
     for key, label, color, style in (
-            ('ros_mib_s', 'ROS import (client: goal -> result)', OURS, '-'),
-            ('node_mib_s', 'ROS import (receiver: manifest -> stored)', OURS, ':'),
+            ('shm_mib_s', 'import via shared memory (client: goal -> result)', OURS, '-'),
+            ('ros_mib_s', 'import via DDS chunks (client)', OURS, '-.'),
+            ('node_mib_s', 'import via DDS chunks (receiver: manifest -> stored)', OURS, ':'),
             ('copy_mib_s', 'file copy on disk (page cache)', BASELINE, '--')):
         med, err = _err([r[key] for r in rows])
         ax.errorbar(x, med, yerr=err, marker='o', capsize=3, color=color, ls=style,
                     label=label)
     ax.set(xscale='log', yscale='log', xlabel='capsule MiB', ylabel='MiB/s',
-           title='transfer throughput over loopback DDS')
+           title='transfer throughput between two node processes')
     _plain(ax)
     ax.legend(fontsize=8)
     h = f['handover']

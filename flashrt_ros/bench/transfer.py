@@ -3,13 +3,15 @@ Figure 7: capsules between two node processes over loopback DDS (~/import_capsul
 
 Part A: capsules of about 1, 8 and 32 MiB (state of the benchmark model at growing
 positions) imported from a sender node into a receiver node's host tier, timed by the
-client from goal to result, side by side with copying the same capsule's file on disk
+client from goal to result, the two ways an import reads the bytes on one host (the
+sender's export in shared memory, the default; DDS chunks, transfer_shared_memory false,
+the way between hosts), side by side with copying the same capsule's file on disk
 (shutil.copyfile, page cache to page cache: the fastest local copy); the receiver's own
 duration (manifest request to capsule stored, without the action's goal and result
-round-trips) is reported beside it. Part B: the time from
-"import requested" to "restored on the receiver" at the long context, against a cold
-prefill of the same tokens on the receiver. Part C: the 32 MiB import at other chunk sizes
-(the transfer_chunk_bytes parameter).
+round-trips) is reported beside it. Part B: the time from "import requested" to "restored
+on the receiver" at the long context, against a cold prefill of the same tokens on the
+receiver. Part C: the 32 MiB import over DDS chunks at other chunk sizes (the
+transfer_chunk_bytes parameter).
 """
 
 import os
@@ -125,8 +127,9 @@ def _fig8(plan, device, log):
             _ok(left.fork(f'ctx{pos}', f'file{pos}', tier='disk'))
         rows = [_size_row(right, sender[2], receiver[2], pos, plan.repeats) for pos in targets]
         for row in rows:
-            log(f'fig8: {row["mib"]:.1f} MiB: ROS {row["ros_mib_s"]["median"]:.0f} MiB/s, '
-                f'file copy {row["copy_mib_s"]["median"]:.0f} MiB/s')
+            log(f'fig8: {row["mib"]:.1f} MiB: shared memory {row["shm_mib_s"]["median"]:.0f} '
+                f'MiB/s, DDS chunks {row["ros_mib_s"]["median"]:.0f} MiB/s, file copy '
+                f'{row["copy_mib_s"]["median"]:.0f} MiB/s')
         handover = _handover(left, right, token_ids(long_ctx - 1, seed=13), plan.repeats, log)
         sweep = _chunk_sweep(right, f'ctx{targets[-1]}', plan.repeats)
         biggest = rows[-1]
@@ -137,6 +140,8 @@ def _fig8(plan, device, log):
             'fastdds_profile': os.environ.get(PROFILE_ENV, ''),
             'rows': rows, 'handover': handover, 'chunk_sweep': sweep,
             'targets': {
+                'shm_ge_quarter_of_file_copy_at_32mib':
+                    biggest['shm_vs_copy'] is not None and biggest['shm_vs_copy'] >= 0.25,
                 'ros_ge_quarter_of_file_copy_at_32mib':
                     biggest['ros_vs_copy'] is not None and biggest['ros_vs_copy'] >= 0.25,
                 'handover_ge_10x_cold_prefill':
@@ -148,33 +153,51 @@ def _fig8(plan, device, log):
             proc.stop()
 
 
+def _import_s(right, name, shared):
+    """Import `name` once into the host tier; return (client seconds, the result)."""
+    _set_param(right, 'transfer_shared_memory', shared)
+    t0 = time.perf_counter()
+    result = _ok(right.import_capsule(SENDER, name, name='got', tier='host', timeout=600.0))
+    seconds = time.perf_counter() - t0
+    via = 'via shared memory' if shared else 'via DDS chunks'
+    if via not in result.message:
+        raise RuntimeError(f'the import did not go {via}: {result.message}')
+    _ok(right.delete_capsule('got'))
+    return seconds, result
+
+
 def _size_row(right, sender_dir, receiver_dir, pos, repeats):
-    """Import capsule ctx<pos> `repeats` times, and copy its file as often, interleaved."""
-    ros_s, node_s, copy_s, moved = [], [], [], 0
+    """Import capsule ctx<pos> both ways and copy its file, `repeats` times, interleaved."""
+    samples = {'shm': [], 'shm_node': [], 'ros': [], 'node': [], 'copy': []}
     src = os.path.join(sender_dir, f'file{pos}.safetensors')
     os.makedirs(receiver_dir, exist_ok=True)
     dst = os.path.join(receiver_dir, 'copied.part')
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        result = _ok(right.import_capsule(SENDER, f'ctx{pos}', name='got', tier='host',
-                                          timeout=600.0))
-        ros_s.append(time.perf_counter() - t0)
-        node_s.append(result.duration_s)  # the receiver's own: manifest to stored
-        moved = result.transferred_bytes
-        _ok(right.delete_capsule('got'))
-        t0 = time.perf_counter()
-        shutil.copyfile(src, dst)
-        copy_s.append(time.perf_counter() - t0)
-        os.unlink(dst)
+    try:
+        for _ in range(repeats):
+            for key, shared in (('shm', True), ('ros', False)):
+                seconds, result = _import_s(right, f'ctx{pos}', shared)
+                samples[key].append(seconds)
+                # the receiver's own: manifest to stored
+                samples['shm_node' if shared else 'node'].append(result.duration_s)
+                moved = result.transferred_bytes
+            t0 = time.perf_counter()
+            shutil.copyfile(src, dst)
+            samples['copy'].append(time.perf_counter() - t0)
+            os.unlink(dst)
+    finally:
+        _set_param(right, 'transfer_shared_memory', True)
     file_bytes = os.path.getsize(src)
-    ros = summarize([moved / s / (1 << 20) for s in ros_s])
-    copy = summarize([file_bytes / s / (1 << 20) for s in copy_s])
-    return {'position': pos, 'transferred_bytes': moved, 'file_bytes': file_bytes,
-            'mib': moved / (1 << 20), 'ros_ms': summarize(ros_s, scale=1e3),
-            'node_ms': summarize(node_s, scale=1e3),
-            'node_mib_s': summarize([moved / s / (1 << 20) for s in node_s]),
-            'copy_ms': summarize(copy_s, scale=1e3), 'ros_mib_s': ros, 'copy_mib_s': copy,
-            'ros_vs_copy': ratio(ros['median'], copy['median'])}
+    rate = {k: summarize([(file_bytes if k == 'copy' else moved) / s / (1 << 20) for s in v])
+            for k, v in samples.items()}
+    row = {'position': pos, 'transferred_bytes': moved, 'file_bytes': file_bytes,
+           'mib': moved / (1 << 20)}
+    for key, mib_s in (('shm', 'shm_mib_s'), ('shm_node', 'shm_node_mib_s'),
+                       ('ros', 'ros_mib_s'), ('node', 'node_mib_s'), ('copy', 'copy_mib_s')):
+        row[f'{key}_ms'] = summarize(samples[key], scale=1e3)
+        row[mib_s] = rate[key]
+    row['shm_vs_copy'] = ratio(rate['shm']['median'], rate['copy']['median'])
+    row['ros_vs_copy'] = ratio(rate['ros']['median'], rate['copy']['median'])
+    return row
 
 
 def _handover(left, right, ids, repeats, log):
@@ -208,11 +231,12 @@ def _handover(left, right, ids, repeats, log):
 
 
 def _chunk_sweep(right, name, repeats):
-    """Import `name` at other transfer_chunk_bytes values (set on the receiver)."""
+    """Import `name` over DDS chunks at other transfer_chunk_bytes values (the receiver's)."""
     rows = []
+    _set_param(right, 'transfer_shared_memory', False)
     try:
         for chunk in CHUNK_SWEEP:
-            _set_chunk_bytes(right, chunk)
+            _set_param(right, 'transfer_chunk_bytes', chunk)
             samples = []
             for _ in range(repeats):
                 result = _ok(right.import_capsule(SENDER, name, name='sweep', tier='host',
@@ -221,21 +245,24 @@ def _chunk_sweep(right, name, repeats):
                 _ok(right.delete_capsule('sweep'))
             rows.append({'chunk_bytes': chunk, 'node_mib_s': summarize(samples)})
     finally:
-        _set_chunk_bytes(right, CHUNK_WITH_PROFILE if os.environ.get(PROFILE_ENV)
-                         else DEFAULT_CHUNK_BYTES)
+        _set_param(right, 'transfer_chunk_bytes', CHUNK_WITH_PROFILE
+                   if os.environ.get(PROFILE_ENV) else DEFAULT_CHUNK_BYTES)
+        _set_param(right, 'transfer_shared_memory', True)
     return rows
 
 
-def _set_chunk_bytes(client, value):
+def _set_param(client, name, value):
+    """Set an integer or bool parameter of the client's node."""
     from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
     from rcl_interfaces.srv import SetParameters
 
     cli = client.node.create_client(SetParameters, f'{client.base}/set_parameters')
     try:
-        value = ParameterValue(type=ParameterType.PARAMETER_INTEGER, integer_value=value)
-        request = SetParameters.Request(
-            parameters=[Parameter(name='transfer_chunk_bytes', value=value)])
+        value = (ParameterValue(type=ParameterType.PARAMETER_BOOL, bool_value=value)
+                 if isinstance(value, bool) else
+                 ParameterValue(type=ParameterType.PARAMETER_INTEGER, integer_value=value))
+        request = SetParameters.Request(parameters=[Parameter(name=name, value=value)])
         if not client._call(cli, request).results[0].successful:
-            raise RuntimeError('the receiver refused transfer_chunk_bytes')
+            raise RuntimeError(f'the receiver refused {name}')
     finally:
         client.node.destroy_client(cli)

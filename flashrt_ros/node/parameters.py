@@ -151,6 +151,10 @@ PARAMETERS = (
     Param('transfer_chunk_bytes', DEFAULT_CHUNK_BYTES,
           'Bytes per ~/export_chunk call when this node imports a capsule (docs/transfer.md '
           'says why 256 KiB, and when 1 MiB is better).', integer=(4096, MAX_CHUNK_BYTES)),
+    Param('transfer_shared_memory', True,
+          'When this node imports from a node on the same host, read the export from shared '
+          'memory (/dev/shm, written by the sender for this user only) instead of DDS chunks: '
+          'the same bytes, verified the same way; false: always DDS chunks.'),
     Param('transfer_timeout', 10.0,
           'Seconds an import waits for each answer of the source node before it gives up '
           '(nothing is stored then).', floating=(0.1, 600.0)),

@@ -22,7 +22,7 @@ from flashrt_ros.action import ImportCapsule
 from flashrt_ros.qos import FEEDBACK_QOS
 from flashrt_ros.runtime import FlashRTError
 from flashrt_ros.runtime.state.capsule import Origin
-from flashrt_ros.runtime.state.transfer import Manifest
+from flashrt_ros.runtime.state.transfer import host_id, Manifest
 from flashrt_ros.srv import ExportChunk, ExportManifest
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import ReentrantCallbackGroup
@@ -47,6 +47,7 @@ class CapsuleTransfer:
         self._clients = collections.OrderedDict()  # source node -> (manifest, chunk) clients
         self._clients_lock = threading.Lock()
         self._importing = threading.Lock()  # held from goal acceptance to its result
+        self._host = host_id()
         node.create_service(ExportManifest, '~/export_manifest', self._manifest_callback,
                             callback_group=self._group)
         node.create_service(ExportChunk, '~/export_chunk', self._chunk_callback,
@@ -72,8 +73,9 @@ class CapsuleTransfer:
         if rt is None:
             return response
         t0 = time.perf_counter()
+        local = bool(request.host_id) and request.host_id == self._host
         try:
-            m = rt.export_capsule(request.name)
+            m = rt.export_capsule(request.name, local=local)
             info = rt.store.peek(request.name).info()
         except FlashRTError as exc:
             response.success, response.message = False, str(exc)
@@ -81,7 +83,7 @@ class CapsuleTransfer:
             return response
         response.export_id, response.total_bytes = m.export_id, m.total_bytes
         response.checksum, response.header_json = m.checksum, m.header_json
-        response.fingerprint = m.fingerprint
+        response.fingerprint, response.local_path = m.fingerprint, m.local_path
         messages.info_msg(info, response.capsule)
         response.success = True
         response.message = (f'export {m.export_id} of {m.name!r}: {m.total_bytes} bytes, '
@@ -138,14 +140,23 @@ class CapsuleTransfer:
                 raise TransferFailed(self._node.not_active_message())
             session.check_import(name)
             manifest_cli, chunk_cli = self._clients_of(source)
-            answer = self._call(manifest_cli, ExportManifest.Request(name=goal.source_name),
-                                source)
+            shared = bool(self._node.get_parameter('transfer_shared_memory').value)
+            request = ExportManifest.Request(name=goal.source_name,
+                                             host_id=self._host if shared else '')
+            answer = self._call(manifest_cli, request, source)
             if not answer.success:
                 raise TransferFailed(f'{source} refused the export: {answer.message}')
             manifest = Manifest(answer.export_id, goal.source_name, int(answer.total_bytes),
-                                answer.checksum, answer.header_json)
+                                answer.checksum, answer.header_json, answer.local_path)
             staging = session.runtime.begin_import(manifest, name, tier)  # before any bytes
-            if not self._receive(goal_handle, chunk_cli, source, staging):
+            if shared and manifest.local_path:
+                via = self._read_local(goal_handle, staging)
+                if staging.complete:
+                    self._close_export(source, manifest.export_id)
+            else:
+                via = 'DDS chunks'
+            if not staging.complete and not self._receive(goal_handle, chunk_cli, source,
+                                                          staging):
                 goal_handle.canceled()
                 result.message = (f'import of {goal.source_name!r} from {source} cancelled '
                                   f'after {staging.received} of {manifest.total_bytes} bytes; '
@@ -167,7 +178,7 @@ class CapsuleTransfer:
             result.message = (
                 f'imported {goal.source_name!r} from {source} as {info.name!r} in {info.tier}: '
                 f'{manifest.total_bytes} bytes in {elapsed * 1e3:.1f} ms '
-                f'({result.throughput_mib_s:.0f} MiB/s), position {info.position}')
+                f'({result.throughput_mib_s:.0f} MiB/s) via {via}, position {info.position}')
             goal_handle.succeed()
             self._report(name, info.tier, manifest.total_bytes, t0, True, result.message)
             self._node.publish_evictions()
@@ -181,6 +192,21 @@ class CapsuleTransfer:
         goal_handle.abort()
         self._report(name, tier, received, t0, False, result.message)
         return result
+
+    def _read_local(self, goal_handle, staging) -> str:
+        """Read a same-host export from shared memory; say how the bytes came (or will)."""
+        total = staging.manifest.total_bytes
+        feedback = ImportCapsule.Feedback(bytes_total=total)
+
+        def progress(received):
+            feedback.bytes_received = received
+            goal_handle.publish_feedback(feedback)
+
+        why = staging.read_local(staging.manifest.local_path, progress)
+        if why is None:
+            return 'shared memory'
+        self._node.get_logger().info(f'import reads the chunks over DDS: {why}')
+        return f'DDS chunks ({why})'
 
     def _receive(self, goal_handle, chunk_cli, source, staging):
         """Read every chunk into staging; return False if the goal was cancelled meanwhile."""

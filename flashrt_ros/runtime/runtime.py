@@ -289,6 +289,7 @@ class Runtime:
             self._closed = True
             self.ring.drop_all()
             self.store.drop_memory_tiers()
+            self.exports.close_all()
             if self._pool is not None:
                 self._pool.clear()
             self.engine.drop_graph()
@@ -603,11 +604,16 @@ class Runtime:
 
     # ---- transfer between runtimes (state/transfer.py); the live state is untouched ---
 
-    def export_capsule(self, name: str) -> Manifest:
-        """Open an export of capsule `name`; export_chunk() serves its bytes by offset."""
+    def export_capsule(self, name: str, local: bool = False) -> Manifest:
+        """
+        Open an export of capsule `name`; exports.chunk() serves its bytes by offset.
+
+        local: the receiver runs on this host; the bytes are also shared in memory there
+        (Manifest.local_path, state/transfer.py).
+        """
         validate_name(name)
         self._check_open()
-        return self.exports.add(self.store.get(name))
+        return self.exports.add(self.store.get(name), local)
 
     def begin_import(self, manifest: Manifest, name: str, tier: str) -> Staging:
         """Check that the announced capsule fits here (model, layout, name, budget); stage it."""

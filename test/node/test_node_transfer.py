@@ -1,6 +1,8 @@
 """Capsules between node processes in different namespaces over real DDS (~/import_capsule)."""
 
 import array
+import contextlib
+import glob
 import os
 import signal
 import threading
@@ -8,7 +10,7 @@ import time
 
 from action_msgs.msg import GoalStatus
 from flashrt_ros.node_process import NodeProcess
-from node_harness import EventLog, HOME, set_parameter, wait_active
+from node_harness import EventLog, HOME, set_parameter, wait_active, wait_until
 import pytest
 
 MODEL = {
@@ -73,22 +75,37 @@ def context(nodes):
             'size': response.capsule.size_bytes}
 
 
+@contextlib.contextmanager
+def _dds_chunks(client):
+    """Make the client's node read imports as DDS chunks (not the same-host shared memory)."""
+    assert set_parameter(client, 'transfer_shared_memory', False).successful
+    try:
+        yield
+    finally:
+        assert set_parameter(client, 'transfer_shared_memory', True).successful
+
+
 def _listing(client):
     response = client.list_capsules()
     assert response.success, response.message
     return {c.name: (c.tier, c.size_bytes, c.checksum, c.position) for c in response.capsules}
 
 
-def test_capsule_moves_and_continues_token_identically(nodes, context):
+@pytest.mark.parametrize('via', ['shared memory', 'DDS chunks'])
+def test_capsule_moves_and_continues_token_identically(nodes, context, via):
     clients, _ = nodes
     right = clients[RIGHT]
     assert context['size'] > 2 << 20
     events = EventLog(right)
     try:
-        run = right.start_import(LEFT, 'ctx', name='from_left', tier='host')
-        assert run.accepted
-        status, result = run.result(120.0)
+        with contextlib.nullcontext() if via == 'shared memory' else _dds_chunks(right):
+            run = right.start_import(LEFT, 'ctx', name='from_left', tier='host')
+            assert run.accepted
+            status, result = run.result(120.0)
         assert status == GoalStatus.STATUS_SUCCEEDED and result.success, result.message
+        assert f'via {via},' in result.message, result.message
+        shared = f'/dev/shm/flashrt-export-{nodes[1][LEFT].pid}-*'
+        assert wait_until(lambda: not glob.glob(shared)), 'the export was not closed'
         assert result.transferred_bytes > context['size'] and result.throughput_mib_s > 0
         assert run.feedback and run.feedback[-1].bytes_received == result.transferred_bytes
         assert [f.bytes_received for f in run.feedback] == sorted(
@@ -214,7 +231,9 @@ def test_corrupted_chunk_refused_at_the_checksum(nodes, context):
     # test relies on.
     assert set_parameter(right, 'transfer_timeout', 15.0).successful
     try:
-        result = right.import_capsule('/tamper/flashrt', 'ctx', name='tampered', tier='host')
+        with _dds_chunks(right):  # the relay changes chunks, not the sender's shared copy
+            result = right.import_capsule('/tamper/flashrt', 'ctx', name='tampered',
+                                          tier='host')
     finally:
         set_parameter(right, 'transfer_timeout', MODEL['transfer_timeout'])
         tamperer.close()
@@ -238,11 +257,12 @@ def test_sender_killed_mid_transfer_leaves_receiver_unchanged(nodes, tmp_path_fa
         assert right.restore(HOME).success
         digest, before = right.state_digest(), _listing(right)
         started = threading.Event()
-        run = right.start_import('/victim/flashrt', 'ctx', name='half', tier='host',
-                                 feedback_callback=lambda fb: started.set())
-        assert started.wait(60.0)
-        os.kill(proc.pid, signal.SIGKILL)
-        status, result = run.result(60.0)
+        with _dds_chunks(right):  # a shared-memory read is over before the kill lands
+            run = right.start_import('/victim/flashrt', 'ctx', name='half', tier='host',
+                                     feedback_callback=lambda fb: started.set())
+            assert started.wait(60.0)
+            os.kill(proc.pid, signal.SIGKILL)
+            status, result = run.result(60.0)
         assert status == GoalStatus.STATUS_ABORTED and not result.success
         assert 'did not answer' in result.message and 'nothing was stored' in result.message
     finally:
@@ -262,11 +282,12 @@ def test_cancel_leaves_nothing(nodes, context):
     try:
         before = _listing(right)
         started = threading.Event()
-        run = right.start_import(LEFT, 'ctx', name='cancelled', tier='host',
-                                 feedback_callback=lambda fb: started.set())
-        assert started.wait(60.0)
-        run.cancel()
-        status, result = run.result(60.0)
+        with _dds_chunks(right):
+            run = right.start_import(LEFT, 'ctx', name='cancelled', tier='host',
+                                     feedback_callback=lambda fb: started.set())
+            assert started.wait(60.0)
+            run.cancel()
+            status, result = run.result(60.0)
         assert status == GoalStatus.STATUS_CANCELED and not result.success
         assert 'nothing was stored' in result.message
         assert _listing(right) == before

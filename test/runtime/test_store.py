@@ -419,3 +419,18 @@ def test_a_capsule_deleted_during_a_disk_write_is_not_evicted_again(make_runtime
         saver.join(30.0)
     assert rt.drain_evictions() == []  # the room was there when the file was published
     assert {i.name for i in rt.list_capsules()} == {'b', 'c'}
+
+
+def test_file_parts_decode_like_encode(make_runtime):
+    from flashrt_ros.runtime.state import disk
+    rt = make_runtime()
+    rt.prefill('héllo 🤖 wörld')
+    rt.snapshot('a', tier='host')
+    cap = rt.store.get('a')
+    for key in (None, b'k' * 32):
+        head, blob = disk.file_parts(cap, key)
+        whole = head + bytes(blob.numpy())
+        assert len(head) % 8 == 0 and len(whole) == len(disk.encode(cap, key))
+        back = disk.decode('a', bytearray(whole), key)
+        assert back.checksum == cap.checksum and torch.equal(back.blob, cap.blob)
+        assert disk.header(back) == disk.header(cap)

@@ -2,6 +2,8 @@
 
 import dataclasses
 import json
+import os
+import stat
 
 from flashrt_ros.runtime.errors import BudgetExceededError, CapsuleNotFoundError
 from flashrt_ros.runtime.errors import CorruptCapsuleError, FingerprintMismatchError
@@ -154,23 +156,113 @@ def test_the_manifest_describes_the_capsule(make_runtime, tmp_path):
     assert manifest.checksum == sender.verify_capsule('ctx').checksum
 
 
-def test_exports_expire_when_idle_and_are_bounded():
+def test_exports_expire_when_idle_and_are_bounded(local_dir):
     now = [0.0]
     exports = transfer.Exports(None, clock=lambda: now[0])
 
     with pytest.raises(CapsuleNotFoundError, match='not open here'):
         exports.chunk('nope', 0, 10)
-    exports._open['x'] = [None, memoryview(b'abcdef'), now[0]]
+    shared = local_dir / f'{transfer.LOCAL_PREFIX}{os.getpid()}-x'
+    shared.write_bytes(b'abcdef')
+    exports._open['x'] = [transfer.Manifest('x', 'n', 6, '', '{}', str(shared)),
+                          memoryview(b'abcdef'), now[0]]
     assert bytes(exports.chunk('x', 4, 10)) == b'ef'
     with pytest.raises(InvalidRequestError, match='outside export'):
         exports.chunk('x', 7, 1)
     with pytest.raises(InvalidRequestError, match='outside export'):
         exports.chunk('x', 0, transfer.MAX_CHUNK_BYTES + 1)
     now[0] += transfer.EXPORT_IDLE_S + 1
-    assert len(exports) == 0
+    assert len(exports) == 0 and not shared.exists()  # its shared copy went with it
     for i in range(transfer.MAX_EXPORTS):
-        exports._open[str(i)] = [None, memoryview(b''), now[0]]
+        exports._open[str(i)] = [transfer.Manifest(str(i), 'n', 0, '', '{}'), memoryview(b''),
+                                 now[0]]
     with pytest.raises(InvalidRequestError, match='exports are open'):
         exports.add(object())  # refused before it is encoded
     exports.close('0')
     assert len(exports) == transfer.MAX_EXPORTS - 1
+
+
+@pytest.fixture
+def local_dir(tmp_path, monkeypatch):
+    """Return a private stand-in for /dev/shm (a directory of this user's files)."""
+    path = tmp_path / 'shm'
+    path.mkdir()
+    monkeypatch.setattr(transfer, 'LOCAL_DIR', path)
+    return path
+
+
+def test_a_local_export_is_read_from_shared_memory_and_verified(make_runtime, tmp_path,
+                                                                local_dir):
+    sender, receiver = _pair(make_runtime, tmp_path)
+    sender.prefill(PROMPT)
+    sender.snapshot('ctx', 'host')
+    digest = sender.state_digest()
+    manifest = sender.export_capsule('ctx', local=True)
+    path = local_dir / f'{transfer.LOCAL_PREFIX}{os.getpid()}-{manifest.export_id}'
+    assert manifest.local_path == str(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert path.read_bytes() == bytes(sender.exports.chunk(manifest.export_id, 0,
+                                                           manifest.total_bytes))
+    staging = receiver.begin_import(manifest, 'got', 'host')
+    seen = []
+    assert staging.read_local(manifest.local_path, seen.append) is None
+    assert staging.complete and seen[-1] == manifest.total_bytes
+    receiver.finish_import(staging, 'got', 'host', ORIGIN)
+    receiver.restore('got')
+    assert receiver.state_digest() == digest
+    sender.exports.close(manifest.export_id)
+    assert not path.exists()  # the file goes with the export
+    assert sender.export_capsule('ctx').local_path == ''  # not asked for: no file
+    assert list(local_dir.iterdir()) == []
+
+
+def test_a_tampered_local_export_fails_the_checksum(make_runtime, tmp_path, local_dir):
+    sender, receiver = _pair(make_runtime, tmp_path)
+    sender.prefill(PROMPT)
+    sender.snapshot('ctx', 'host')
+    manifest = sender.export_capsule('ctx', local=True)
+    data = bytearray(open(manifest.local_path, 'rb').read())
+    data[-7] ^= 0x10
+    with open(manifest.local_path, 'r+b') as f:
+        f.write(data)
+    staging = receiver.begin_import(manifest, 'got', 'host')
+    assert staging.read_local(manifest.local_path) is None
+    with pytest.raises(CorruptCapsuleError, match='failed its checksum'):
+        receiver.finish_import(staging, 'got', 'host', ORIGIN)
+    assert receiver.list_capsules() == []
+
+
+def test_a_local_path_that_is_not_an_export_is_not_read(make_runtime, tmp_path, local_dir):
+    sender, receiver = _pair(make_runtime, tmp_path)
+    sender.snapshot('ctx', 'host')
+    manifest = sender.export_capsule('ctx', local=True)
+    outside = tmp_path / 'model.safetensors'
+    outside.write_bytes(b'x' * manifest.total_bytes)
+    fifo = local_dir / f'{transfer.LOCAL_PREFIX}1-fifo'
+    os.mkfifo(fifo)
+    short = local_dir / f'{transfer.LOCAL_PREFIX}1-short'
+    short.write_bytes(b'x')
+    staging = receiver.begin_import(manifest, 'got', 'host')
+    assert 'not a local export path' in staging.read_local(str(outside))
+    assert 'not a file' in staging.read_local(str(fifo))  # and the open did not hang
+    assert 'holds 1 bytes' in staging.read_local(str(short))
+    assert 'cannot open' in staging.read_local(str(local_dir / f'{transfer.LOCAL_PREFIX}9-x'))
+    assert staging.received == 0  # the chunks can still be read from the start
+
+
+def test_local_exports_of_a_dead_process_are_swept(make_runtime, tmp_path, local_dir):
+    gone = _dead_pid()
+    stale = local_dir / f'{transfer.LOCAL_PREFIX}{gone}-abc'
+    alive = local_dir / f'{transfer.LOCAL_PREFIX}{os.getpid()}-def'
+    stale.write_bytes(b'old')
+    alive.write_bytes(b'new')
+    make_runtime(capsule_dir=str(tmp_path / 'c'))  # a new runtime sweeps at start
+    assert not stale.exists() and alive.exists()
+
+
+def _dead_pid():
+    """Return the pid of a process that has exited (and been reaped)."""
+    import subprocess
+    proc = subprocess.Popen(['true'])
+    proc.wait()
+    return proc.pid

@@ -83,10 +83,14 @@ def header(cap: Capsule) -> dict:
     return head
 
 
-def checksum(blob: torch.Tensor, header_json: str) -> str:
-    h = hashlib.sha256()
-    data = blob if blob.device.type == 'cpu' else blob.cpu()
-    h.update(memoryview(data.contiguous().numpy()))
+def checksum(blob: torch.Tensor, header_json: str, blob_sha256=None) -> str:
+    """sha256 over the blob's bytes, then the header; blob_sha256: the blob's, hashed already."""
+    if blob_sha256 is not None:
+        h = blob_sha256.copy()
+    else:
+        h = hashlib.sha256()
+        data = blob if blob.device.type == 'cpu' else blob.cpu()
+        h.update(memoryview(data.contiguous().numpy()))
     h.update(header_json.encode())
     return h.hexdigest()
 
@@ -211,10 +215,11 @@ def _check_blob_size(where: str, cap: Capsule, nbytes: int) -> None:
             'delete it')
 
 
-def _verify(name: str, blob: torch.Tensor, head: dict, meta: dict, key: bytes | None) -> None:
+def _verify(name: str, blob: torch.Tensor, head: dict, meta: dict, key: bytes | None,
+            blob_sha256=None) -> None:
     """Raise CorruptCapsuleError unless blob + header match the checksum (and the MAC)."""
     stored = meta['checksum']
-    if checksum(blob, json.dumps(head, sort_keys=True)) != stored:
+    if checksum(blob, json.dumps(head, sort_keys=True), blob_sha256) != stored:
         raise CorruptCapsuleError(
             f'capsule {name!r} failed its checksum (the file was modified or '
             'damaged); delete it and take a new snapshot'
@@ -259,12 +264,14 @@ def read(name: str, path: Path, header_only: bool = False, key: bytes | None = N
     return cap
 
 
-def decode(name: str, data, key: bytes | None = None) -> Capsule:
+def decode(name: str, data, key: bytes | None = None, blob_sha256=None) -> Capsule:
     """
     Parse and verify capsule file bytes held in memory (what encode() returned, received).
 
     The blob is a view of `data` (a writable buffer the caller hands over). Raises
     CorruptCapsuleError for bytes that are not a whole capsule or fail the checksum or MAC.
+    blob_sha256: a sha256 the receiver fed every byte after the safetensors header with as
+    they arrived; used when the blob is exactly those bytes.
     """
     view = memoryview(data)
     where = f'received capsule {name!r}'
@@ -277,7 +284,9 @@ def decode(name: str, data, key: bytes | None = None) -> Capsule:
     _check_blob_size(where, cap, nbytes)
     blob = torch.frombuffer(view, dtype=torch.uint8, offset=8 + n, count=nbytes) \
         if nbytes else torch.empty(0, dtype=torch.uint8)
-    _verify(name, blob, head, meta, key)
+    if 8 + n + nbytes != len(view):
+        blob_sha256 = None
+    _verify(name, blob, head, meta, key, blob_sha256)
     cap.blob = blob
     return cap
 
@@ -439,13 +448,37 @@ def encode(cap: Capsule, key: bytes | None = None) -> bytes:
     """Return the file's bytes; seals the capsule (sets its checksum) if it was not yet."""
     from safetensors.torch import save
 
+    blob, meta = _sealed(cap, key)
+    return save({'blob': blob}, metadata=meta)
+
+
+def file_parts(cap: Capsule, key: bytes | None = None) -> tuple[bytes, torch.Tensor]:
+    """
+    Return a capsule file as (head, blob): head + blob's bytes decode() like encode()'s.
+
+    For a writer that streams the blob where it goes (a shared-memory export) instead of
+    building the whole file in memory first. The head is safetensors' layout: 8 bytes of
+    length, the compact JSON header, spaces to a multiple of 8 (the same length as
+    encode()'s; safetensors orders the metadata keys its own way, this sorts them).
+    """
+    blob, meta = _sealed(cap, key)
+    n = blob.numel()
+    top = {'__metadata__': dict(sorted(meta.items())),
+           'blob': {'dtype': 'U8', 'shape': [n], 'data_offsets': [0, n]}}
+    text = json.dumps(top, separators=(',', ':'), ensure_ascii=False).encode()
+    text += b' ' * (-(8 + len(text)) % 8)
+    return len(text).to_bytes(8, 'little') + text, blob
+
+
+def _sealed(cap: Capsule, key: bytes | None) -> tuple[torch.Tensor, dict]:
+    """Return the capsule's blob on the host and its file metadata; set its checksum."""
     blob = cap.blob if cap.blob.device.type == 'cpu' else cap.blob.cpu()
     header_json = json.dumps(header(cap), sort_keys=True)
     cap.checksum = cap.checksum or checksum(blob, header_json)
     meta = {MAGIC: header_json, 'checksum': cap.checksum}
     if key is not None:
         meta['mac'] = mac(key, cap.checksum)
-    return save({'blob': blob}, metadata=meta)
+    return blob, meta
 
 
 def write(directory: Path, name: str, data: bytes) -> Path:

@@ -23,9 +23,9 @@ HUGE_PAGE = 2 << 20  # bytes of a transparent huge page on x86-64 and arm64 (4 K
 _MADV_HUGEPAGE = 14  # Linux
 
 
-def huge_page_memory(nbytes: int) -> torch.Tensor:
+def huge_page_memory(nbytes: int, zero: bool = True) -> torch.Tensor:
     """
-    Return nbytes of zeroed host memory that Linux may back with 2 MiB pages.
+    Return nbytes of host memory (zeroed unless zero=False) Linux may back with 2 MiB pages.
 
     Streaming a large buffer (the weights in a decode step, the arena's rows in attention,
     a whole-state copy) through 4 KiB pages misses the TLB every 4 KiB; advised before its
@@ -42,7 +42,7 @@ def huge_page_memory(nbytes: int) -> torch.Tensor:
             madvise(buf.data_ptr(), nbytes - nbytes % HUGE_PAGE, _MADV_HUGEPAGE)
         except (AttributeError, OSError):  # no madvise here: plain pages
             pass
-    return buf.zero_()
+    return buf.zero_() if zero else buf
 
 
 class BlobPool:

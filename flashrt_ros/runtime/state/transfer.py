@@ -15,18 +15,32 @@ MAC with a capsule key) and the blob. The protocol, whatever carries it:
    capsule the manifest announced; only then does it become a capsule in the store.
    A transfer that stops early, or bytes that fail a check, leave nothing behind: the
    staging buffer is dropped.
+
+On one host (the same kernel boot, `host_id()`), the sender also writes the export to a
+file in shared memory (/dev/shm, mode 0600, named for its process and export) and the
+receiver reads it from there in one pass instead of chunk by chunk: the same bytes, checked
+the same way in step 4. Where it cannot (another mount namespace, another user, no such
+file) it reads the chunks. The file goes with the export (closed, idle, or its process
+gone: swept by the next runtime on the host).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import mmap
+import os
+from pathlib import Path
 import secrets
+import socket
+import stat
 import threading
 import time
 
 from . import disk
 from .capsule import Capsule, Origin
+from .memory import huge_page_memory
 from ..errors import CapsuleNotFoundError, CorruptCapsuleError, FingerprintMismatchError
 from ..errors import InvalidRequestError
 
@@ -36,6 +50,18 @@ DEFAULT_CHUNK_BYTES = 256 << 10
 MAX_CHUNK_BYTES = 16 << 20
 EXPORT_IDLE_S = 60.0  # an export nobody read from for this long is dropped
 MAX_EXPORTS = 8  # open exports per runtime (each holds one encoded capsule in memory)
+LOCAL_DIR = Path('/dev/shm')  # where same-host exports are shared (tmpfs: memory)
+LOCAL_PREFIX = 'flashrt-export-'  # + '<pid>-<export id>'
+LOCAL_READ_BYTES = 4 << 20  # one read of a local export: a feedback step
+
+
+def host_id() -> str:
+    """Name this kernel boot ('' where unknown): equal ids can share LOCAL_DIR files."""
+    try:
+        boot = Path('/proc/sys/kernel/random/boot_id').read_text().strip()
+    except OSError:
+        return ''
+    return f'{socket.gethostname()}/{boot}' if boot else ''
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +73,7 @@ class Manifest:
     total_bytes: int  # bytes that will travel (the encoded capsule)
     checksum: str  # the capsule's content checksum (sha256 over blob and header)
     header_json: str  # disk.header(): fingerprint, manifest, packing, position, meta
+    local_path: str = ''  # the same bytes in shared memory, for a receiver on this host
 
     @property
     def header(self) -> dict:
@@ -72,9 +99,15 @@ class Exports:
         self.key, self._clock = key, clock
         self._open: dict[str, list] = {}  # export_id -> [manifest, data, last_used]
         self._lock = threading.Lock()
+        _sweep_local()
 
-    def add(self, cap: Capsule) -> Manifest:
-        """Encode `cap` (a capsule with its blob) and return the manifest of its export."""
+    def add(self, cap: Capsule, local: bool = False) -> Manifest:
+        """
+        Encode `cap` (a capsule with its blob) and return the manifest of its export.
+
+        local: also share the bytes in LOCAL_DIR for a receiver on this host (skipped,
+        local_path empty, when that directory cannot take them).
+        """
         with self._lock:
             self._expire()
             full = len(self._open) >= MAX_EXPORTS
@@ -82,11 +115,15 @@ class Exports:
             raise InvalidRequestError(
                 f'{MAX_EXPORTS} exports are open on this node; wait for one to finish '
                 f'(an idle one is dropped after {EXPORT_IDLE_S:.0f} s) and try again')
-        data = disk.encode(cap, self.key)  # seals an unsealed capsule
+        export_id = secrets.token_hex(8)
+        data = _write_local(export_id, cap, self.key) if local else None
+        path = data.obj.name if data is not None else ''
+        if data is None:  # in memory (seals an unsealed capsule)
+            data = memoryview(disk.encode(cap, self.key))
         with self._lock:
-            manifest = Manifest(secrets.token_hex(8), cap.name, len(data), cap.checksum,
-                                json.dumps(disk.header(cap), sort_keys=True))
-            self._open[manifest.export_id] = [manifest, memoryview(data), self._clock()]
+            manifest = Manifest(export_id, cap.name, len(data), cap.checksum,
+                                json.dumps(disk.header(cap), sort_keys=True), path)
+            self._open[export_id] = [manifest, data, self._clock()]
         return manifest
 
     def chunk(self, export_id: str, offset: int, length: int) -> memoryview:
@@ -108,7 +145,9 @@ class Exports:
 
     def close(self, export_id: str) -> None:
         with self._lock:
-            self._open.pop(export_id, None)
+            entry = self._open.pop(export_id, None)
+        if entry is not None:
+            _unlink(entry[0].local_path)
 
     def __len__(self) -> int:
         with self._lock:
@@ -118,7 +157,75 @@ class Exports:
     def _expire(self) -> None:
         now = self._clock()
         for export_id in [k for k, v in self._open.items() if now - v[2] > EXPORT_IDLE_S]:
-            del self._open[export_id]
+            _unlink(self._open.pop(export_id)[0].local_path)
+
+    def close_all(self) -> None:
+        """Drop every export (the runtime closes)."""
+        with self._lock:
+            entries, self._open = list(self._open.values()), {}
+        for entry in entries:
+            _unlink(entry[0].local_path)
+
+
+class _Mapped(mmap.mmap):
+    """A read-only map of a local export that knows its file's name."""
+
+    name = ''
+
+
+def _write_local(export_id: str, cap: Capsule, key: bytes | None) -> memoryview | None:
+    """
+    Write an export to LOCAL_DIR, readable by this user only; None where that fails.
+
+    The capsule's header and blob go straight into the file (seals an unsealed capsule).
+    Returns the file mapped read-only: the export's bytes, for chunks too.
+    """
+    path = LOCAL_DIR / f'{LOCAL_PREFIX}{os.getpid()}-{export_id}'
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        return None  # no shared memory here: the receiver reads the chunks
+    try:
+        head, blob = disk.file_parts(cap, key)
+        with os.fdopen(fd, 'r+b', buffering=0, closefd=False) as f:
+            for part in (memoryview(head), memoryview(blob.numpy())):
+                done = 0
+                while done < len(part):
+                    done += f.write(part[done:])
+        mapped = _Mapped(fd, 0, access=mmap.ACCESS_READ)
+        mapped.name = str(path)
+        return memoryview(mapped)
+    except (OSError, ValueError):
+        _unlink(str(path))
+        return None
+    finally:
+        os.close(fd)
+
+
+def _unlink(path: str) -> None:
+    if path:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _sweep_local() -> None:
+    """Remove this user's local exports whose process is gone (killed before closing)."""
+    try:
+        names = [p for p in LOCAL_DIR.iterdir() if p.name.startswith(LOCAL_PREFIX)]
+    except OSError:
+        return
+    for path in names:
+        pid = path.name[len(LOCAL_PREFIX):].split('-', 1)[0]
+        try:
+            if path.lstat().st_uid != os.getuid() or not pid.isdigit():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            _unlink(str(path))
+        except OSError:  # alive under another user, or gone meanwhile
+            continue
 
 
 def check_manifest(manifest: Manifest, fingerprint: str, arena_manifest) -> None:
@@ -147,12 +254,78 @@ class Staging:
 
     def __init__(self, manifest: Manifest):
         self.manifest = manifest
-        self._buffer = bytearray(manifest.total_bytes)  # dropped with the object on failure
+        # Not zeroed: every byte is written before it is read (a zeroing pass over a large
+        # capsule costs as much as reading it). Dropped with the object on failure.
+        self._buffer = huge_page_memory(manifest.total_bytes, zero=False).numpy()
+        self._view = memoryview(self._buffer)
         self.received = 0
+        # The blob's sha256, fed as bytes arrive (so the check after the last one is short):
+        # the blob is everything after the safetensors header, whose length is the first
+        # 8 bytes. decode() uses it only if the header says the same.
+        self._hash = hashlib.sha256()
+        self._hashed = 0  # bytes of the buffer up to which the hash was fed (or skipped)
+
+    def _blob_bytes(self, end: int) -> memoryview | None:
+        """Return the received blob bytes not yet hashed, up to `end` (None: none yet)."""
+        if self._hashed == 0:
+            if end < 8:
+                return None
+            self._hashed = 8 + int.from_bytes(self._view[:8], 'little')
+        if end <= self._hashed:
+            return None
+        part, self._hashed = self._view[self._hashed:end], end
+        return part
 
     @property
     def complete(self) -> bool:
         return self.received == self.manifest.total_bytes
+
+    def read_local(self, path: str, progress=None) -> str | None:
+        """
+        Read the whole export from its local file; None, or why not (then read the chunks).
+
+        Only a regular file of this user under LOCAL_DIR, of the announced size, is read;
+        what it holds is checked by capsule() like any chunk. progress(bytes) runs per read.
+        """
+        total = self.manifest.total_bytes
+        where = Path(path)
+        if where.parent != LOCAL_DIR or not where.name.startswith(LOCAL_PREFIX):
+            return f'{path!r} is not a local export path'
+        try:  # O_NONBLOCK: a FIFO planted under the name must not hang the open
+            fd = os.open(where, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as exc:
+            return f'cannot open {path}: {exc.strerror}'
+        hashing = None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                return f'{path} is not a file of this user'
+            if st.st_size != total:
+                return f'{path} holds {st.st_size} bytes, not {total}'
+            view = self._view
+            while self.received < total:
+                end = min(total, self.received + LOCAL_READ_BYTES)
+                n = os.preadv(fd, [view[self.received:end]], self.received)
+                if n <= 0:
+                    return f'{path} ended early'
+                self.received += n
+                part = self._blob_bytes(self.received)
+                if part is not None:  # hashed on another core while the next part is read
+                    if hashing is not None:
+                        hashing.join()
+                    hashing = threading.Thread(target=self._hash.update, args=(part,))
+                    hashing.start()
+                if progress is not None:
+                    progress(self.received)
+        except OSError as exc:
+            return f'cannot read {path}: {exc.strerror}'
+        finally:
+            os.close(fd)
+            if hashing is not None:
+                hashing.join()
+            if self.received != total:  # read the chunks from the start instead
+                self.received, self._hashed, self._hash = 0, 0, hashlib.sha256()
+        return None
 
     def add(self, offset: int, data) -> None:
         """Append the chunk that starts at `offset` (chunks arrive in order)."""
@@ -162,8 +335,11 @@ class Staging:
                 f'chunk of {len(data)} bytes at offset {offset} does not continue the '
                 f'{self.received} bytes received of {self.manifest.total_bytes}; nothing was '
                 'stored: transfer the capsule again')
-        self._buffer[offset:end] = data
+        self._view[offset:end] = memoryview(data).cast('B')
         self.received = end
+        part = self._blob_bytes(end)
+        if part is not None:
+            self._hash.update(part)
 
     def capsule(self, name: str, key: bytes | None, origin: Origin) -> Capsule:
         """Decode and verify the complete buffer; return the capsule as `name` (not stored)."""
@@ -172,13 +348,14 @@ class Staging:
             raise CorruptCapsuleError(
                 f'capsule {m.name!r}: {self.received} of {m.total_bytes} bytes arrived; '
                 'nothing was stored: transfer it again')
-        cap = disk.decode(name, self._buffer, key)  # the checksum (and MAC) are checked here
+        # the checksum (and MAC) are checked here
+        cap = disk.decode(name, self._buffer, key, self._hash)
         if cap.checksum != m.checksum or (
                 json.dumps(disk.header(cap), sort_keys=True) != m.header_json):
             raise CorruptCapsuleError(
                 f'the bytes received for capsule {m.name!r} are not the capsule its manifest '
                 'announced (another checksum or header); nothing was stored: transfer it again')
-        self._buffer = None  # the capsule's blob is a view of it now: no further writes
+        self._buffer = self._view = None  # the capsule's blob is a view of it now: no writes
         cap.origin = origin
         cap.checksum = ''  # the header now names its origin: sealed again when needed
         return cap
