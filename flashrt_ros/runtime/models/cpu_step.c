@@ -77,6 +77,7 @@ struct fr_layer {
 
 /* 8 floats as one value: GCC and clang lower it to the target's SIMD (AVX, NEON, ...) */
 typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
 
 static inline v8 load8(const float *p)
 {
@@ -184,6 +185,43 @@ static void matmul(const float *w, const float *x, float *y, int64_t n, int64_t 
                    int nthreads)
 {
     project(&w, &n, 1, x, y, k, T, n, nthreads);
+}
+
+/*
+ * exp(x) of 8 values x <= 0 (a softmax's scores less their maximum) without a libm call:
+ * x = k ln2 + r, |r| <= ln2/2, exp(r) by its Taylor series to r^7/5040 (below float32's
+ * precision there), 2^k put into the exponent bits. Within 3 ulp of expf.
+ */
+static inline v8 exp8_nonpositive(v8 x)
+{
+    const v8 floor = {-87, -87, -87, -87, -87, -87, -87, -87};  /* exp: ~1e-38 */
+    const v8 magic = {12582912, 12582912, 12582912, 12582912,  /* 1.5 * 2^23 */
+                      12582912, 12582912, 12582912, 12582912};
+    const v8i above = x > floor;
+    x = (v8)(((v8i)x & above) | ((v8i)floor & ~above));
+    const v8 k = (x * 1.44269504f + magic) - magic;  /* round to nearest */
+    const v8 r = (x - k * 0.693145752f) - k * 1.42860677e-6f;  /* ln2 in two parts */
+    v8 p = r * (1.0f / 720.0f) + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return p * (v8)((__builtin_convertvector(k, v8i) + 127) << 23);
+}
+
+/* exp8_nonpositive over n floats at s, less `top` first */
+static void exp_nonpositive(float *s, int64_t n, float top)
+{
+    int64_t r = 0;
+    for (; r + 8 <= n; r += 8)
+        store8(s + r, exp8_nonpositive(load8(s + r) - top));
+    if (r < n) {  /* the tail through the same lanes: every value gets the same bits */
+        float tail[8] = {0};
+        memcpy(tail, s + r, (size_t)(n - r) * sizeof(float));
+        store8(tail, exp8_nonpositive(load8(tail) - top));
+        memcpy(s + r, tail, (size_t)(n - r) * sizeof(float));
+    }
 }
 
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
@@ -385,11 +423,11 @@ static void attend_span(const struct fr_layer *L, const float *restrict q, int64
     }
     for (int64_t j = 0; j < groups * d; j++)
         acc[j] = 0.0f;
-    for (int64_t j = 0; j < groups; j++)
-        for (int64_t r = 0; r < n; r++) {
-            s[j * n + r] = expf(s[j * n + r] - top[j]);
+    for (int64_t j = 0; j < groups; j++) {
+        exp_nonpositive(s + j * n, n, top[j]);
+        for (int64_t r = 0; r < n; r++)
             sum[j] += s[j * n + r];
-        }
+    }
     for (int64_t r = 0; r < n; r++) {
         const float *vr = vb + r * stride;
         prefetch_row(vr + PREFETCH_ROWS * stride, d);
