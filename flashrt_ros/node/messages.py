@@ -99,6 +99,56 @@ def audio_samples(msg):
     return samples
 
 
+# PortAudio sample formats, which mgonzs13/audio_common's AudioInfo.format carries:
+# code -> (the AudioData field holding the samples, full scale, offset)
+_PORTAUDIO_FORMATS = {1: ('float32_data', 1.0, 0.0), 2: ('int32_data', 2.0 ** 31, 0.0),
+                      4: ('int24_data', 2.0 ** 23, 0.0), 8: ('int16_data', 32768.0, 0.0),
+                      16: ('int8_data', 128.0, 0.0), 32: ('uint8_data', 128.0, 128.0)}
+
+
+def audio_common_flavour(module) -> str:
+    """
+    Tell the two incompatible audio_common_msgs packages of ROS 2 apart by their fields.
+
+    'typed': mgonzs13/audio_common (AudioStamped: header, audio = {audio: AudioData of typed
+    arrays, info: format, channels, rate}); 'bytes': ros-drivers/audio_common (AudioData:
+    uint8[] data, S16LE); '' when `module` is neither.
+    """
+    stamped, data = getattr(module, 'AudioStamped', None), getattr(module, 'AudioData', None)
+    if stamped is not None and 'audio' in stamped.get_fields_and_field_types():
+        return 'typed'
+    if data is not None and set(data.get_fields_and_field_types()) == {'data'}:
+        return 'bytes'
+    return ''
+
+
+def audio_common_samples(msg, flavour: str):
+    """
+    Return (mono float32 samples, sample rate or None) of an audio_common_msgs message.
+
+    'typed': an AudioStamped, its samples in the field its info.format names (PortAudio
+    codes), interleaved channels averaged. 'bytes': an AudioData of S16LE mono samples at
+    the model's rate (rate None). Raise ValueError saying what is wrong with the format.
+    """
+    if flavour == 'bytes':
+        raw = bytes(msg.data)
+        if len(raw) % 2:
+            raise ValueError(f'AudioData of {len(raw)} bytes is not whole S16LE samples')
+        return np.frombuffer(raw, dtype='<i2').astype(np.float32) / 32768.0, None
+    audio, info = msg.audio.audio, msg.audio.info
+    found = _PORTAUDIO_FORMATS.get(int(info.format))
+    if found is None:
+        raise ValueError(f'audio_common format {info.format} is not supported; use a PortAudio '
+                         f'sample format: {sorted(_PORTAUDIO_FORMATS)}')
+    field, scale, offset = found
+    samples = (np.asarray(getattr(audio, field), dtype=np.float64) - offset) / scale
+    channels = int(info.channels) or 1
+    if samples.size % channels:
+        raise ValueError(f'{samples.size} samples do not split into {channels} channels')
+    samples = samples.reshape(-1, channels).mean(axis=1) if channels > 1 else samples
+    return samples.astype(np.float32), int(info.rate) or None
+
+
 def joint_state_vector(msg, names):
     """
     Return the observation vector named by `names` ('<joint>/position|velocity|effort').

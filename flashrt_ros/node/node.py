@@ -140,6 +140,7 @@ class FlashRTNode(LifecycleNode):
                 callback = functools.partial(_without_info, callback)
             self.create_subscription(msg_type, topic, callback, qos, callback_group=group,
                                      event_callbacks=events)
+        self._subscribe_audio_common(state)
         self.create_timer(self._param('diagnostics_period'), self._diagnostics_callback,
                           callback_group=query)
         # ~/export_manifest, ~/export_chunk, ~/import_capsule: a reentrant group of their own
@@ -535,6 +536,37 @@ class FlashRTNode(LifecycleNode):
             mode.reject_audio(str(exc))
             return
         mode.audio(samples, msg.sample_rate, msg.first_sample, received_time(msg_info))
+
+    def _subscribe_audio_common(self, group):
+        """Take audio_common_msgs audio too, of whichever flavour is installed (if any)."""
+        try:
+            import audio_common_msgs.msg as audio_common
+        except ImportError:  # neither package is on the Python package index
+            return
+        flavour = messages.audio_common_flavour(audio_common)
+        if not flavour:
+            self.get_logger().warning('audio_common_msgs has neither the AudioStamped of '
+                                      'mgonzs13/audio_common nor the AudioData of '
+                                      'ros-drivers/audio_common; not subscribed to it')
+            return
+        msg_type, topic = ((audio_common.AudioStamped, '~/audio_stamped') if flavour == 'typed'
+                           else (audio_common.AudioData, '~/audio_data'))
+        callback = functools.partial(self._audio_common_callback, flavour)
+        self.create_subscription(msg_type, topic, lambda msg: callback(msg, None), AUDIO_QOS,
+                                 callback_group=group)
+        self.get_logger().info(f'audio_common_msgs ({flavour} flavour) on {topic}')
+
+    def _audio_common_callback(self, flavour, msg, msg_info):
+        """Feed audio_common_msgs samples (rate checked as for ~/audio; not numbered)."""
+        mode = self._speech_mode()
+        if mode is None:
+            return
+        try:
+            samples, rate = messages.audio_common_samples(msg, flavour)
+        except ValueError as exc:
+            mode.reject_audio(str(exc))
+            return
+        mode.audio(samples, rate, -1, received_time(msg_info))
 
     def _int16_audio_callback(self, msg, msg_info):
         """Feed mono int16 samples at the model's rate (not numbered: no gap check)."""

@@ -44,7 +44,9 @@
     } while (0)
 
 #define SPAN 64  /* cache rows per attention work item: its K and V rows stay in L2 */
-#define PREFETCH_ROWS 8
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 16384  /* how far ahead attention asks for rows (a few rows of any size) */
+#endif
 
 struct fr_layer {
     int64_t kind;  /* 0: gated DeltaNet, 1: gated attention */
@@ -395,6 +397,8 @@ static void attend_span(const struct fr_layer *L, const float *restrict q, int64
     const int64_t d = L->hd, groups = L->hq / L->hkv, n = hi - lo, stride = L->seq_stride;
     const int vec = d % 8 == 0;  /* head dims are multiples of 8 in practice */
     const float scaling = L->scaling;
+    const int64_t rows_ahead = PREFETCH_BYTES / (4 * stride);
+    const int64_t ahead = (rows_ahead > 2 ? rows_ahead : 2) * stride;
     const float *restrict kb = L->keys + g * L->head_stride + lo * stride;
     const float *restrict vb = L->values + g * L->head_stride + lo * stride;
     for (int64_t j = 0; j < groups; j++) {
@@ -404,7 +408,7 @@ static void attend_span(const struct fr_layer *L, const float *restrict q, int64
     /* Rows are a whole arena row apart (one page or more): prefetch a few ahead. */
     for (int64_t r = 0; r < n; r++) {
         const float *kr = kb + r * stride;
-        prefetch_row(kr + PREFETCH_ROWS * stride, d);
+        prefetch_row(kr + ahead, d);
         for (int64_t j = 0; j < groups; j++) {
             const float *qj = q + (g * groups + j) * 2 * d;
             float v;
@@ -430,7 +434,7 @@ static void attend_span(const struct fr_layer *L, const float *restrict q, int64
     }
     for (int64_t r = 0; r < n; r++) {
         const float *vr = vb + r * stride;
-        prefetch_row(vr + PREFETCH_ROWS * stride, d);
+        prefetch_row(vr + ahead, d);
         for (int64_t j = 0; j < groups; j++) {
             const float p = s[j * n + r];
             float *a = acc + j * d;
