@@ -182,6 +182,7 @@ class Engine:
 
     def limit_vocab(self, n: int) -> None:
         """Sample from the first n logits only: the model's rows past the tokenizer's ids."""
+        self.vocab_limit = n  # ids a token may be sampled from (speculation drafts and verifies)
         self._sampled = self.logits[:n]  # [n] view: a restore's copy shows through
         # What greedy decoding reads one logit from: on CPU a numpy view (no tensor built)
         self._logit_of = (self._sampled.numpy() if self._sampled.device.type == 'cpu'

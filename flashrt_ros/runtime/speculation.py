@@ -36,8 +36,14 @@ from .preemption import abortable_forward, guarded_forward
 TRACE_ROUNDS = 4096  # accepted-draft counts of the latest rounds (tests, benchmarks)
 
 
-def _greedy(logits: torch.Tensor) -> list[int]:
-    """Return the argmax of each row of logits [T, V]; refuse NaN as the engine does."""
+def _greedy(logits: torch.Tensor, limit: int) -> list[int]:
+    """
+    Return the argmax of each row of logits [T, V] among ids below `limit`.
+
+    Those are the ids plain decoding samples from (Engine.limit_vocab); NaN is refused as
+    the engine refuses it.
+    """
+    logits = logits[:, :limit]
     if torch.isnan(logits).any():
         raise FlashRTError('the model produced NaN logits; no token was taken: check the '
                            'model (dtype, weights) and the capsule the state came from')
@@ -119,7 +125,8 @@ class Speculator:
         drafts = []
         for j in range(k):
             with abortable_forward(rt), guarded_forward(rt):
-                token, hidden = a.draft(token, hidden, position + j)  # hidden [1, H]
+                token, hidden = a.draft(token, hidden, position + j,  # hidden [1, H]
+                                        rt.engine.vocab_limit)
             drafts.append(token)
         # A captured decode graph writes x's row itself: then none of the rows is kept.
         keep = 1 if rt.engine.graph is None else 0
@@ -174,7 +181,7 @@ class Speculator:
         cursor.extent = max(cursor.extent, position + n)
         with abortable_forward(rt), guarded_forward(rt):
             logits, hidden = main.forward(tokens, position, save=True)  # [n, V], [n, H]
-            best = _greedy(logits)
+            best = _greedy(logits, rt.engine.vocab_limit)
         accepted = self._accepted(tokens, best, accept)
         used = accepted + 1
         with guarded_forward(rt):
@@ -211,7 +218,7 @@ class Speculator:
         with abortable_forward(rt), guarded_forward(rt):
             hidden = a.forward_hidden(ids, kv_len=position + n)  # [1, n, H]
             logits = a.lm_head(hidden)[0].float()  # [n, V]
-            best = _greedy(logits)
+            best = _greedy(logits, rt.engine.vocab_limit)
         accepted = self._accepted(tokens, best, accept)
         used = accepted + 1
         if used == n:

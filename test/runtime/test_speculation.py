@@ -390,3 +390,24 @@ def test_checkpoint_mtp_weights_are_loaded(make_runtime, tmp_path):
     assert rt.fingerprint == built.fingerprint  # same weights, same head, same layout
     assert greedy(rt, 8, PROMPT) == greedy(built, 8, PROMPT)
     assert list(rt.speculator.trace) == list(built.speculator.trace)
+
+
+@pytest.mark.parametrize('cpu_step', [True, False])
+def test_rounds_verify_among_the_ids_plain_decoding_samples(make_runtime, cpu_step):
+    # Models have rows past the tokenizer's ids (padding), which plain decoding never
+    # samples; a verify or draft that took them would leave plain decoding's tokens.
+    limit = 60  # a narrow vocabulary: the unrestricted argmax falls outside it often
+    plain = spec_runtime(make_runtime, cpu_step=cpu_step)
+    plain.speculator = None
+    plain.engine.limit_vocab(limit)
+    expected = greedy(plain, N, PROMPT)
+    assert max(expected) < limit
+    ids = plain.arena.views['tokens'][:plain.position].tolist() + [plain.cursor.pending]
+    rt = spec_runtime(make_runtime, verify='batched', cpu_step=cpu_step)
+    rt.engine.limit_vocab(limit)
+    rt.speculator.script = scripted(ids, 'right')
+    assert greedy(rt, N, PROMPT) == expected
+    assert set(list(rt.speculator.trace)[:-1]) == {K}  # every right draft accepted
+    head = spec_runtime(make_runtime, verify='batched', cpu_step=cpu_step)
+    head.engine.limit_vocab(limit)
+    assert greedy(head, N, PROMPT) == expected  # the head's own drafts, limited too

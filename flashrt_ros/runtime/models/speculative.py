@@ -191,14 +191,15 @@ class MTPAdapter(CausalLMAdapter):
         return self._head_forward(token, prev, self.binding.cache, rows)
 
     @torch.inference_mode()
-    def draft(self, token: int, prev: torch.Tensor, row: int) -> tuple[int, torch.Tensor]:
-        """One head step at arena row `row` after hidden prev [1, H]: (draft, its hidden)."""
+    def draft(self, token: int, prev: torch.Tensor, row: int,
+              limit: int) -> tuple[int, torch.Tensor]:
+        """One head step at arena row `row` after hidden prev [1, H]: (draft < limit, hidden)."""
         if self.compiled():
             logits, hidden = self.cpu_head.forward((token,), prev, row)
-            return int(logits[0].argmax()), hidden
+            return int(logits[0, :limit].argmax()), hidden
         ids = torch.tensor([[token]], device=self.device)
         hidden = self.draft_step(ids, prev.view(1, 1, -1), row)  # [1, 1, H]
-        return int(self.lm_head(hidden)[0, -1].argmax()), hidden.view(1, -1)
+        return int(self.lm_head(hidden)[0, -1, :limit].argmax()), hidden.view(1, -1)
 
     def _compiled_step(self, token: int, kv_len: int) -> torch.Tensor:
         """Run a decode step of main and head compiled; return the main's logits."""
