@@ -27,6 +27,9 @@ LOCAL = {'flashrt_ros', 'conftest', 'node_harness', 'session_harness', 'runtime_
 # Imported only by flashrt_ros/bench/peer_worker.py, which runs in build/peer-venv (make
 # bench-peer: llama.cpp and its converter), never in the package's own environment.
 PEER_ONLY = {'llama_cpp', 'gguf', 'convert_hf_to_gguf', 'conversion'}
+# Used when installed, never required (the import is guarded): two incompatible ROS 2
+# packages share this name, and the node takes either (docs/semantics.md, speech mode).
+OPTIONAL = {'audio_common_msgs'}
 
 
 def _python_files():
@@ -71,7 +74,8 @@ def test_every_import_is_declared():
                                  + pkg.buildtool_depends + pkg.build_export_depends)}
     missing = {}
     for name, where in _imported_top_level_names().items():
-        if name in sys.stdlib_module_names or name in LOCAL or name in PEER_ONLY:
+        if (name in sys.stdlib_module_names or name in LOCAL or name in PEER_ONLY
+                or name in OPTIONAL):
             continue
         key = IMPORT_TO_KEY.get(name, name)
         if key not in declared:
