@@ -96,6 +96,8 @@ def test_capsule_moves_and_continues_token_identically(nodes, context, via):
     clients, _ = nodes
     right = clients[RIGHT]
     assert context['size'] > 2 << 20
+    if via == 'shared memory' and not os.access('/dev/shm', os.W_OK):
+        pytest.skip('no writable /dev/shm on this machine: imports read DDS chunks')
     events = EventLog(right)
     try:
         with contextlib.nullcontext() if via == 'shared memory' else _dds_chunks(right):
