@@ -150,13 +150,23 @@ class Speculator:
                 return j
         raise AssertionError('unreachable')
 
-    def _accepted(self, tokens: list[int], best: list[int], accept) -> int:
+    @staticmethod
+    def _accepted(tokens: list[int], best: list[int], accept) -> int:
         """Hand out the verified tokens up to the first miss; return the drafts accepted."""
         n, accepted = len(tokens), 0
         for j in range(n):
             accepted = j
             if not accept(best[j]) or j == n - 1 or best[j] != tokens[j + 1]:
                 break
+        return accepted
+
+    def _advance(self, tokens: list[int], best: list[int], accepted: int) -> int:
+        """End a round: its consumed tokens in the history, the bonus token pending."""
+        cursor, used = self.rt.cursor, accepted + 1
+        self.rt.arena.views['tokens'][cursor.position:cursor.position + used].copy_(
+            torch.tensor(tokens[:used], dtype=torch.int32))
+        cursor.position += used
+        cursor.pending = best[accepted]
         return accepted
 
     @torch.inference_mode()
@@ -197,11 +207,7 @@ class Speculator:
             a.skip_first_upkeep = False
             a.commit_hidden(hidden[used - 1], position + used)
             rt.engine.logits.copy_(logits[used - 1])
-        arena.views['tokens'][position:position + used].copy_(
-            torch.tensor(tokens[:used], dtype=torch.int32))
-        cursor.position += used
-        cursor.pending = best[accepted]
-        return accepted
+        return self._advance(tokens, best, accepted)
 
     @torch.inference_mode()
     def _batched_torch(self, drafts: list[int], accept) -> int:
@@ -231,11 +237,7 @@ class Speculator:
                 a.layer.cumulative_length.fill_(position - 1)
             with abortable_forward(rt), guarded_forward(rt):
                 rt.engine.prefill(tokens[:used], position)
-        arena.views['tokens'][position:position + used].copy_(
-            torch.tensor(tokens[:used], dtype=torch.int32))
-        cursor.position += used
-        cursor.pending = best[accepted]
-        return accepted
+        return self._advance(tokens, best, accepted)
 
 
 def attach(adapter, model_id: str):

@@ -357,8 +357,8 @@ def _hook_dicts(modules) -> list:
 class CpuDecode:
     """Tokens of a Qwen3-Next-style hybrid through the compiled CPU step, over the arena."""
 
-    def __init__(self, model, views: dict[str, torch.Tensor], max_len: int,
-                 max_tokens: int = MAX_TOKENS):
+    def __init__(self, model, layers: list[tuple], max_len: int, max_tokens: int = MAX_TOKENS):
+        """layers: (decoder layer, its state views) in order, as DecodeFastPath.layers."""
         self.lib = library()
         _onto_huge_pages(model)  # before any pointer into the weights is taken
         self._hooks = _hook_dicts(model.modules())
@@ -371,13 +371,9 @@ class CpuDecode:
         self.final_norm = self.stack.folded(norm)
         self.rotary = (rotary.inv_freq.float().contiguous(), float(rotary.attention_scaling))
         self.keep.append(self.rotary[0])
-        self.views = []
-        for i, layer in enumerate(model.model.layers):
-            state = ((views[f'L{i}.conv0'], views[f'L{i}.recurrent0'])
-                     if hasattr(layer, 'linear_attn') else
-                     (views[f'L{i}.key'], views[f'L{i}.value'], views[f'L{i}.length']))
+        self.views = [state for _, state in layers]
+        for layer, state in layers:
             self.stack.add(layer, state, self.rotary)
-            self.views.append(state)
         hidden, vocab = self.embed.shape[1], self.head.shape[0]
         self.scratch = torch.zeros(self.stack.scratch_floats())
         self.stack.finish(self.scratch)

@@ -143,7 +143,8 @@ class HFCausalLMAdapter(BindingDelegate, CausalLMAdapter):
         if self.cpu_step_note is None:
             self.cpu_step_note = cpu_step.refusal(self.model, self.config, views)
         if self.cpu_step_note is None:
-            self.cpu_step = cpu_step.CpuDecode(self.model, views, self.max_seq_len)
+            self.cpu_step = cpu_step.CpuDecode(self.model, self.fastpath.layers,
+                                               self.max_seq_len)
 
     @property
     def has_sliding_layers(self) -> bool:

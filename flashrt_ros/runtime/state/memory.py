@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import threading
 import weakref
 
@@ -35,14 +36,20 @@ def huge_page_memory(nbytes: int, zero: bool = True) -> torch.Tensor:
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE
     buf = raw[start:start + nbytes]
-    if nbytes >= HUGE_PAGE:
-        try:
-            madvise = ctypes.CDLL(None, use_errno=True).madvise
-            madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            madvise(buf.data_ptr(), nbytes - nbytes % HUGE_PAGE, _MADV_HUGEPAGE)
-        except (AttributeError, OSError):  # no madvise here: plain pages
-            pass
+    if nbytes >= HUGE_PAGE and _madvise() is not None:
+        _madvise()(buf.data_ptr(), nbytes - nbytes % HUGE_PAGE, _MADV_HUGEPAGE)
     return buf.zero_() if zero else buf
+
+
+@functools.cache
+def _madvise():
+    """Return libc's madvise (looked up once), or None where there is none."""
+    try:
+        madvise = ctypes.CDLL(None).madvise
+    except (AttributeError, OSError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
 
 
 class BlobPool:
