@@ -65,6 +65,29 @@ def test_a_multi_token_call_equals_single_steps_bit_for_bit(make_runtime, model)
         assert torch.equal(rt.arena.storage, expected), used
 
 
+@pytest.mark.parametrize('model', FAST + ['default'])
+def test_the_thread_count_changes_no_bit(make_runtime, model):
+    """Rows and attention spans split over threads, each formed alike: one thread or four."""
+    rt = make_runtime(model, max_seq_len=600)
+    cs = rt.adapter.cpu_step
+    rt.prefill(PROMPT * 8, raw=True)  # several attention spans, a partial last one
+    pos, start = rt.position, rt.arena.storage.clone()
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for n in (1, 4):
+            torch.set_num_threads(n)
+            rt.arena.storage.copy_(start)
+            logits = [cs.forward(tokens, pos + i, save=True)[0].clone()
+                      for i, tokens in enumerate([[17], [99, 3, 250, 5]])]
+            runs.append((logits, rt.arena.storage.clone()))
+    finally:
+        torch.set_num_threads(threads)
+    (one, state_one), (four, state_four) = runs
+    assert all(torch.equal(a, b) for a, b in zip(one, four))
+    assert torch.equal(state_one, state_four)
+
+
 def test_a_watched_model_takes_the_exact_path(make_runtime):
     rt = make_runtime('builtin:tiny-hybrid')
     rt.prefill(PROMPT, raw=True)

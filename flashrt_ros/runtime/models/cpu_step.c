@@ -20,9 +20,12 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Below this many multiply-adds a loop stays on the calling thread: waking the pool costs
- * more than the work (and much more when another process holds the other cores). */
-#define PARALLEL_MIN 262144L
+/* Below this many multiply-adds (128 KiB of float32 weights) a loop stays on the calling
+ * thread: waking the pool costs more than the work. Above it, each core streams its share
+ * of the weights from its own cache path. */
+#ifndef PARALLEL_MIN
+#define PARALLEL_MIN 32768L
+#endif
 /*
  * Run CALL (a call that reads lo and hi) over [0, n): split over a team of `nthreads` when
  * `work` is worth waking it, else on this thread with no OpenMP call at all.
@@ -115,61 +118,85 @@ static inline float dot(const float *a, const float *b, int64_t n)
 }
 
 /*
- * y[t, :] = concat_m(W_m x[t]) for t < T, W_m [rows[m], k], y rows `width` floats apart:
- * the matrices' rows split over the threads in one parallel region, and each row of W is
- * read once for all T tokens.
+ * y[r + t * width] = dot(a[r], x[t]) for r < R, t < T (R and T constants after inlining).
+ * Each chunk of a weight row is loaded once for all tokens. Every (row, token) pair has
+ * its own two accumulators and forms its sum exactly as dot() does, so a result depends
+ * on neither R nor T; R * T pairs give R * T * 2 independent FMA chains, enough to hide
+ * the FMA latency that a single row's two chains would wait on.
  */
-/*
- * y[t * width] = dot(a, x[t]) for t < T (a constant after inlining): each chunk of the
- * weight row is loaded once for all tokens, and every token's sum is formed exactly as
- * dot() forms it, so the result does not depend on T.
- */
-static inline __attribute__((always_inline)) void dots(const float *a, const float *x,
-                                                       int64_t k, float *y, int64_t width,
-                                                       const int T)
+static inline __attribute__((always_inline)) void dots(const float *const *a, const int R,
+                                                       const float *x, int64_t k, float *y,
+                                                       int64_t width, const int T)
 {
-    v8 s0[4] = {{0}}, s1[4] = {{0}};
-    int64_t j = 0;
-    for (; j + 16 <= k; j += 16) {
-        const v8 a0 = load8(a + j), a1 = load8(a + j + 8);
-        for (int t = 0; t < T; t++) {
-            s0[t] += a0 * load8(x + t * k + j);
-            s1[t] += a1 * load8(x + t * k + j + 8);
-        }
-    }
-    if (j + 8 <= k) {
-        const v8 a0 = load8(a + j);
+    v8 s0[4][4], s1[4][4];
+    for (int r = 0; r < R; r++)  /* not `= {0}`: that zeroes all 16 with a slow rep stos */
         for (int t = 0; t < T; t++)
-            s0[t] += a0 * load8(x + t * k + j);
+            s0[r][t] = s1[r][t] = (v8){0};
+    int64_t j = 0;
+    for (; j + 16 <= k; j += 16)
+        for (int r = 0; r < R; r++) {
+            const v8 a0 = load8(a[r] + j), a1 = load8(a[r] + j + 8);
+            for (int t = 0; t < T; t++) {
+                s0[r][t] += a0 * load8(x + t * k + j);
+                s1[r][t] += a1 * load8(x + t * k + j + 8);
+            }
+        }
+    if (j + 8 <= k) {
+        for (int r = 0; r < R; r++) {
+            const v8 a0 = load8(a[r] + j);
+            for (int t = 0; t < T; t++)
+                s0[r][t] += a0 * load8(x + t * k + j);
+        }
         j += 8;
     }
-    for (int t = 0; t < T; t++) {
-        float s = hsum8(s0[t] + s1[t]);
-        for (int64_t i = j; i < k; i++)
-            s += a[i] * x[t * k + i];
-        y[t * width] = s;
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) {
+            float s = hsum8(s0[r][t] + s1[r][t]);
+            for (int64_t i = j; i < k; i++)
+                s += a[r][i] * x[t * k + i];
+            y[r + t * width] = s;
+        }
+}
+
+/* dots() of R rows with T tokens, R * T <= 4: the chains registers hold */
+static inline void dots_block(const float *const *a, int R, const float *x, int64_t k,
+                              float *y, int64_t width, int T)
+{
+    switch (R * 4 + T) {
+    case 4 + 1: dots(a, 1, x, k, y, width, 1); break;
+    case 4 + 2: dots(a, 1, x, k, y, width, 2); break;
+    case 4 + 3: dots(a, 1, x, k, y, width, 3); break;
+    case 4 + 4: dots(a, 1, x, k, y, width, 4); break;
+    case 8 + 1: dots(a, 2, x, k, y, width, 1); break;
+    case 8 + 2: dots(a, 2, x, k, y, width, 2); break;
+    default: dots(a, 4, x, k, y, width, 1); break;
     }
 }
 
+/*
+ * y[t, :] = concat_m(W_m x[t]) for t < T, W_m [rows[m], k], y rows `width` floats apart,
+ * over the concatenated rows [lo, hi): a few rows at a time for few tokens, each row of W
+ * read once for up to 4 tokens.
+ */
 static void project_rows(const float *const *w, const int64_t *rows, const float *x,
                          float *y, int64_t k, int64_t T, int64_t width, int64_t lo, int64_t hi)
 {
+    const int most = T == 1 ? 4 : T == 2 ? 2 : 1;  /* rows per block */
     int m = 0;
     int64_t first = 0;  /* the first row of matrix m */
-    for (int64_t i = lo; i < hi; i++) {
-        while (i - first >= rows[m])
-            first += rows[m++];
-        const float *a = w[m] + (i - first) * k;
-        for (int64_t t0 = 0; t0 < T; t0 += 4) {  /* 4 tokens at a time: registers */
-            const float *xt = x + t0 * k;
-            float *yt = y + t0 * width + i;
-            switch (T - t0 < 4 ? T - t0 : 4) {
-            case 1: dots(a, xt, k, yt, width, 1); break;
-            case 2: dots(a, xt, k, yt, width, 2); break;
-            case 3: dots(a, xt, k, yt, width, 3); break;
-            default: dots(a, xt, k, yt, width, 4); break;
-            }
+    for (int64_t i = lo; i < hi;) {
+        int R = hi - i < most ? (int)(hi - i) : most;
+        R = R == 3 ? 2 : R;
+        const float *a[4];
+        for (int r = 0; r < R; r++) {
+            while (i + r - first >= rows[m])
+                first += rows[m++];
+            a[r] = w[m] + (i + r - first) * k;
         }
+        for (int64_t t0 = 0; t0 < T; t0 += 4)  /* 4 tokens at a time: registers */
+            dots_block(a, R, x + t0 * k, k, y + t0 * width + i, width,
+                       T - t0 < 4 ? (int)(T - t0) : 4);
+        i += R;
     }
 }
 
@@ -385,80 +412,175 @@ static inline void prefetch_row(const float *p, int64_t n)
         __builtin_prefetch(p + i, 0, 0);
 }
 
+#if defined(__clang__)
+#define SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE8(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#endif
+
+/* [x0+x1, x2+x3, y0+y1, y2+y3, x4+x5, x6+x7, y4+y5, y6+y7] (AVX's vhaddps) */
+static inline v8 pairs8(v8 x, v8 y)
+{
+    return SHUFFLE8(x, y, 0, 2, 8, 10, 4, 6, 12, 14) + SHUFFLE8(x, y, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
+/* Lane r: the sum of the 8 lanes of a[r], ((0+1)+(2+3))+((4+5)+(6+7)) for every r */
+static inline v8 hsum8x8(const v8 *a)
+{
+    const v8 q0 = pairs8(pairs8(a[0], a[1]), pairs8(a[2], a[3]));
+    const v8 q1 = pairs8(pairs8(a[4], a[5]), pairs8(a[6], a[7]));
+    return SHUFFLE8(q0, q1, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE8(q0, q1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
 /*
- * Softmax attention of the `groups` query heads of kv head g over cache rows [lo, hi): each
- * key and value row is read once for all of them. Leaves, per head, the running max,
- * the sum of exponentials and the unnormalised output (acc [groups, d]).
+ * s[r] = scaling * q . k_r for rows r < n of kb (rows `stride` floats apart, d % 8 == 0):
+ * 8 rows at a time, each row's products in its own register and the 8 sums reduced
+ * together. A block past the end repeats the last row, so every score is formed the same
+ * way wherever it sits. Returns the largest score.
+ */
+static float scores8(const float *restrict q, const float *restrict kb, int64_t n,
+                     int64_t stride, int64_t d, float scaling, int64_t ahead,
+                     float *restrict s)
+{
+    v8 best = {-INFINITY, -INFINITY, -INFINITY, -INFINITY,
+               -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    for (int64_t r0 = 0; r0 < n; r0 += 8) {
+        const float *rows[8];
+        for (int r = 0; r < 8; r++)
+            rows[r] = kb + (r0 + r < n ? r0 + r : n - 1) * stride;
+        if (ahead)
+            for (int r = 0; r < 8; r++)
+                prefetch_row(rows[r] + ahead, d);
+        v8 acc[8];
+        for (int r = 0; r < 8; r++)
+            acc[r] = (v8){0};
+        for (int64_t i = 0; i < d; i += 8) {
+            const v8 qi = load8(q + i);
+            for (int r = 0; r < 8; r++)
+                acc[r] += qi * load8(rows[r] + i);
+        }
+        const v8 sc = hsum8x8(acc) * scaling;
+        best = (v8)(((v8i)best & (v8i)(best >= sc)) | ((v8i)sc & (v8i)(best < sc)));
+        if (r0 + 8 <= n) {
+            store8(s + r0, sc);
+        } else {
+            float tail[8];
+            store8(tail, sc);
+            memcpy(s + r0, tail, (size_t)(n - r0) * sizeof(float));
+        }
+    }
+    float top = best[0];
+    for (int r = 1; r < 8; r++)
+        top = best[r] > top ? best[r] : top;
+    return top;
+}
+
+/*
+ * out[c..c + 8 NV) = sum over rows r < n, in order, of p[r] * v_r[c..c + 8 NV): NV
+ * registers of sums (NV a constant after inlining).
+ */
+static inline __attribute__((always_inline)) void weigh_rows(
+    const float *restrict vb, int64_t stride, const float *restrict p, int64_t n, int64_t c,
+    float *restrict out, int64_t ahead, int64_t d, const int NV)
+{
+    v8 acc[8];
+    for (int i = 0; i < NV; i++)
+        acc[i] = (v8){0};
+    for (int64_t r = 0; r < n; r++) {
+        const float *vr = vb + r * stride + c;
+        if (ahead)
+            prefetch_row(vr - c + ahead, d);
+        const float pr = p[r];
+        for (int i = 0; i < NV; i++)
+            acc[i] += pr * load8(vr + 8 * i);
+    }
+    for (int i = 0; i < NV; i++)
+        store8(out + c + 8 * i, acc[i]);
+}
+
+/* weigh_rows() over all d dims (d % 8 == 0), 64 at a time: the sums stay in registers */
+static void weigh(const float *vb, int64_t stride, const float *p, int64_t n, float *out,
+                  int64_t ahead, int64_t d)
+{
+    for (int64_t c = 0; c < d; c += 64) {
+        const int64_t pf = c == 0 ? ahead : 0;  /* each row is asked for once */
+        switch (d - c >= 64 ? 8 : (int)((d - c) / 8)) {
+        case 1: weigh_rows(vb, stride, p, n, c, out, pf, d, 1); break;
+        case 2: weigh_rows(vb, stride, p, n, c, out, pf, d, 2); break;
+        case 3: weigh_rows(vb, stride, p, n, c, out, pf, d, 3); break;
+        case 4: weigh_rows(vb, stride, p, n, c, out, pf, d, 4); break;
+        case 5: weigh_rows(vb, stride, p, n, c, out, pf, d, 5); break;
+        case 6: weigh_rows(vb, stride, p, n, c, out, pf, d, 6); break;
+        case 7: weigh_rows(vb, stride, p, n, c, out, pf, d, 7); break;
+        default: weigh_rows(vb, stride, p, n, c, out, pf, d, 8); break;
+        }
+    }
+}
+
+/*
+ * Softmax attention of the `groups` query heads of kv head g over cache rows [lo, hi): a
+ * span's key and value rows stay in cache for all of them. Leaves, per head, the running
+ * max, the sum of exponentials and the unnormalised output (acc [groups, d]).
  */
 static void attend_span(const struct fr_layer *L, const float *restrict q, int64_t g,
                         int64_t lo, int64_t hi, float *restrict s, float *restrict top,
                         float *restrict sum, float *restrict acc)
 {
     const int64_t d = L->hd, groups = L->hq / L->hkv, n = hi - lo, stride = L->seq_stride;
-    const int vec = d % 8 == 0;  /* head dims are multiples of 8 in practice */
     const float scaling = L->scaling;
+    /* Rows are a whole arena row apart (one page or more): prefetch a few ahead. */
     const int64_t rows_ahead = PREFETCH_BYTES / (4 * stride);
     const int64_t ahead = (rows_ahead > 2 ? rows_ahead : 2) * stride;
     const float *restrict kb = L->keys + g * L->head_stride + lo * stride;
     const float *restrict vb = L->values + g * L->head_stride + lo * stride;
-    for (int64_t j = 0; j < groups; j++) {
-        top[j] = -INFINITY;
-        sum[j] = 0.0f;
-    }
-    /* Rows are a whole arena row apart (one page or more): prefetch a few ahead. */
-    for (int64_t r = 0; r < n; r++) {
-        const float *kr = kb + r * stride;
-        prefetch_row(kr + ahead, d);
+    if (d % 8 == 0) {  /* head dims are multiples of 8 in practice */
+        for (int64_t j = 0; j < groups; j++)
+            top[j] = scores8(q + (g * groups + j) * 2 * d, kb, n, stride, d, scaling,
+                             j == 0 ? ahead : 0, s + j * n);
+    } else {
         for (int64_t j = 0; j < groups; j++) {
-            const float *qj = q + (g * groups + j) * 2 * d;
-            float v;
-            if (vec) {
-                v8 a = {0};
-                for (int64_t i = 0; i < d; i += 8)
-                    a += load8(qj + i) * load8(kr + i);
-                v = hsum8(a);
-            } else {
-                v = dot(qj, kr, d);
+            top[j] = -INFINITY;
+            for (int64_t r = 0; r < n; r++) {
+                const float v = dot(q + (g * groups + j) * 2 * d, kb + r * stride, d) * scaling;
+                s[j * n + r] = v;
+                top[j] = v > top[j] ? v : top[j];
             }
-            v *= scaling;
-            s[j * n + r] = v;
-            top[j] = v > top[j] ? v : top[j];
         }
     }
-    for (int64_t j = 0; j < groups * d; j++)
-        acc[j] = 0.0f;
     for (int64_t j = 0; j < groups; j++) {
         exp_nonpositive(s + j * n, n, top[j]);
+        sum[j] = 0.0f;
         for (int64_t r = 0; r < n; r++)
             sum[j] += s[j * n + r];
     }
-    for (int64_t r = 0; r < n; r++) {
-        const float *vr = vb + r * stride;
-        prefetch_row(vr + ahead, d);
-        for (int64_t j = 0; j < groups; j++) {
-            const float p = s[j * n + r];
-            float *a = acc + j * d;
-            if (vec) {
-                for (int64_t i = 0; i < d; i += 8)
-                    store8(a + i, load8(a + i) + p * load8(vr + i));
-            } else {
+    for (int64_t j = 0; j < groups; j++) {
+        float *a = acc + j * d;
+        if (d % 8 == 0) {
+            weigh(vb, stride, s + j * n, n, a, j == 0 ? ahead : 0, d);
+        } else {
+            for (int64_t i = 0; i < d; i++)
+                a[i] = 0.0f;
+            for (int64_t r = 0; r < n; r++)
                 for (int64_t i = 0; i < d; i++)
-                    a[i] += p * vr[i];
-            }
+                    a[i] += s[j * n + r] * vb[r * stride + i];
         }
     }
 }
 
-/* Work items [lo, hi) of attention(): (kv head, span of SPAN rows), results in scores. */
+/*
+ * Spans [lo, hi) of attention(), each for every kv head in turn (the heads of a row are
+ * adjacent: a span's rows are read whole), results in scores at (kv head, span).
+ */
 static void attend_items(const struct fr_layer *L, const float *q, int64_t kv_len,
                          int64_t spans, float *scores, int64_t lo, int64_t hi)
 {
     const int64_t groups = L->hq / L->hkv, item = groups * (SPAN + L->hd + 2);
-    for (int64_t w = lo; w < hi; w++) {
-        const int64_t g = w / spans, first = (w % spans) * SPAN;
-        const int64_t last = first + SPAN < kv_len ? first + SPAN : kv_len;
-        float *s = scores + w * item, *top = s + groups * SPAN, *sum = top + groups;
-        attend_span(L, q, g, first, last, s, top, sum, sum + groups);
+    for (int64_t sp = lo; sp < hi; sp++) {
+        const int64_t first = sp * SPAN, last = first + SPAN < kv_len ? first + SPAN : kv_len;
+        for (int64_t g = 0; g < L->hkv; g++) {
+            float *s = scores + (g * spans + sp) * item, *top = s + groups * SPAN;
+            attend_span(L, q, g, first, last, s, top, top + groups, top + 2 * groups);
+        }
     }
 }
 
@@ -498,7 +620,7 @@ static void attention(const struct fr_layer *L, const float *x, float *out, floa
         }
         *L->length += 1;
         const int64_t spans = (kv_len + SPAN - 1) / SPAN, item = groups * (SPAN + d + 2);
-        SPLIT(hkv * spans, hq * kv_len * d, L->nthreads,
+        SPLIT(spans, hq * kv_len * d, L->nthreads,
               attend_items(L, q, kv_len, spans, scores, lo, hi));
         for (int64_t h = 0; h < hq; h++) {
             const int64_t g = h / groups, j = h % groups;
