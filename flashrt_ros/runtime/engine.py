@@ -20,6 +20,7 @@ import re
 import torch
 
 from .errors import FlashRTError, InvalidRequestError
+from .inference import inference
 from .models.base import CausalLMAdapter, PolicyAdapter, PolicySpec
 from .state.arena import StateSpec
 
@@ -68,9 +69,13 @@ def replay_mismatch(replay, step, views: dict[str, torch.Tensor]) -> str | None:
 class Engine:
     """Runs a causal-LM adapter over its bound state and writes last logits into the arena."""
 
-    def __init__(self, adapter: CausalLMAdapter, logits: torch.Tensor, cuda_graphs: bool):
+    def __init__(self, adapter: CausalLMAdapter, logits: torch.Tensor, cuda_graphs: bool,
+                 tokens: torch.Tensor | None = None):
         self.adapter = adapter
         self.logits = logits  # [V] fp32 arena view: the output of every step
+        # [L] int32 arena view of the consumed ids; on CPU written through numpy (no op)
+        self._history = (tokens.numpy() if tokens is not None and tokens.device.type == 'cpu'
+                         else tokens)
         self.limit_vocab(logits.shape[0])
         self.device = logits.device
         self.token = torch.zeros(
@@ -112,11 +117,15 @@ class Engine:
         self.logits.copy_(out[0])
         return end
 
-    @torch.inference_mode()
+    @inference
     def _step(self, kv_len: int | None = None) -> None:
         self.logits.copy_(self.adapter.forward(self.token, kv_len)[0])  # [V], cast to fp32
 
-    @torch.inference_mode()
+    def record(self, token: int, position: int) -> None:
+        """Write a consumed token into the arena's history at `position`."""
+        self._history[position] = token
+
+    @inference
     def decode(self, token: int, position: int) -> None:
         """Consume one token at `position`; replays the captured graph when it applies."""
         self.token.fill_(token)
@@ -188,13 +197,13 @@ class Engine:
         self._logit_of = (self._sampled.numpy() if self._sampled.device.type == 'cpu'
                           else self._sampled)
 
-    @torch.inference_mode()
+    @inference
     def sample(
         self, temperature: float, top_k: int, top_p: float, generator: torch.Generator
     ) -> int:
         """Pick the next token: argmax when temperature <= 0, else top-k/top-p sampling."""
-        if temperature <= 0.0:
-            best = int(torch.argmax(self._sampled))
+        if temperature <= 0.0:  # numpy's argmax, like torch's, takes the first maximum
+            best = int(self._logit_of.argmax())
             if math.isnan(self._logit_of[best]):  # argmax lands on a NaN when there is one
                 raise FlashRTError(
                     'the model produced NaN logits; no token was taken: check the model '

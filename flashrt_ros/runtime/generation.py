@@ -158,7 +158,7 @@ def _feed(rt, token: int) -> None:
     cursor.extent = max(cursor.extent, cursor.position + 1)
     with guarded_forward(rt):
         rt.engine.decode(token, cursor.position)
-    rt.arena.views['tokens'][cursor.position] = token
+    rt.engine.record(token, cursor.position)
     cursor.position += 1
 
 
@@ -260,18 +260,20 @@ class Generation:
             done = len(self.token_ids)
             try:
                 room = rt.config.max_seq_len - self.reserve - cursor.position
-                speculator.run_round(self._accept, min(s.max_new_tokens - done, room))
+                with torch.inference_mode():
+                    speculator.run_round(self._accept, min(s.max_new_tokens - done, room))
             except StepAborted:  # its tokens were never handed out
                 del self.token_ids[done:]
                 self._events.clear()
                 raise
         else:
-            if cursor.pending is not None:
-                with abortable_forward(rt):
-                    _feed(rt, cursor.pending)
-                cursor.pending = None
-            with guarded_forward(rt):  # e.g. NaN logits make sampling raise
-                token = rt.engine.sample(s.temperature, s.top_k, s.top_p, rt.generator)
+            with torch.inference_mode():  # once for the step's nested calls (inference.py)
+                if cursor.pending is not None:
+                    with abortable_forward(rt):
+                        _feed(rt, cursor.pending)
+                    cursor.pending = None
+                with guarded_forward(rt):  # e.g. NaN logits make sampling raise
+                    token = rt.engine.sample(s.temperature, s.top_k, s.top_p, rt.generator)
             cursor.pending = token
             self._accept(token)
         if self._reason is not None:

@@ -145,7 +145,8 @@ class Runtime:
             self.engine = PolicyEngine(adapter, self.arena.views)
         else:
             self.engine = Engine(adapter, self.arena.views['logits'],
-                                 config.cuda_graphs and not self.is_speech)  # speech: eager
+                                 config.cuda_graphs and not self.is_speech,  # speech: eager
+                                 self.arena.views['tokens'])
             if not self.is_speech:  # never sample an id the tokenizer has no token for
                 self.engine.limit_vocab(min(adapter.vocab_size, self.tokenizer.vocab_size))
         budgets = config.sized_budgets(self.arena.nbytes)

@@ -25,11 +25,13 @@ from __future__ import annotations
 import collections
 from typing import Callable
 
+import numpy
 import torch
 
 from .config import MAX_DRAFT_TOKENS
 from .errors import FlashRTError
 from .generation import _feed
+from .inference import inference
 from .models.speculative import recurrent_rule
 from .preemption import abortable_forward, guarded_forward
 
@@ -43,8 +45,13 @@ def _greedy(logits: torch.Tensor, limit: int) -> list[int]:
     Those are the ids plain decoding samples from (Engine.limit_vocab); NaN is refused as
     the engine refuses it.
     """
-    logits = logits[:, :limit]
-    if torch.isnan(logits).any():
+    if logits.device.type == 'cpu':  # numpy: the same first-maximum argmax, no torch op cost
+        logits = logits.numpy()[:, :limit]
+        nan = bool(numpy.isnan(logits).any())
+    else:
+        logits = logits[:, :limit]
+        nan = bool(torch.isnan(logits).any())
+    if nan:
         raise FlashRTError('the model produced NaN logits; no token was taken: check the '
                            'model (dtype, weights) and the capsule the state came from')
     return logits.argmax(-1).tolist()
@@ -112,7 +119,7 @@ class Speculator:
         for view in self._head_rows:
             view.narrow(2, start, stop - start).zero_()
 
-    @torch.inference_mode()
+    @inference
     def _draft(self, pending: int, position: int, k: int) -> list[int]:
         """Up to k draft tokens; the arena is left as it was but for the head row of x."""
         if self.script is not None:
@@ -169,7 +176,7 @@ class Speculator:
         cursor.pending = best[accepted]
         return accepted
 
-    @torch.inference_mode()
+    @inference
     def _batched(self, drafts: list[int], accept) -> int:
         """Verify all drafts in one forward; commit the state of the accepted prefix."""
         if self.adapter.compiled():

@@ -31,6 +31,7 @@ import threading
 import torch
 from torch.nn.modules import module as torch_module
 
+from ..inference import inference
 from ..preemption import ARMED
 from ..state.memory import HUGE_PAGE, huge_page_memory
 
@@ -385,12 +386,13 @@ class CpuDecode:
                       self.logits.data_ptr(), self.hidden.data_ptr(), hidden, vocab)
         self._outputs = [None] + [(self.logits[:n], self.hidden[:n])
                                   for n in range(1, max_tokens + 1)]
+        self._ids = (ctypes.c_int64 * max_tokens)()
 
     def observed(self) -> bool:
         """Whether a hook watches the model (then the exact path runs the step)."""
         return any(self._hooks)
 
-    @torch.inference_mode()
+    @inference
     def forward(self, tokens, pos0: int, save: bool = False):
         """
         Consume tokens (a list of ids) at positions pos0...; return (logits [T, V], hidden [T, H]).
@@ -400,7 +402,9 @@ class CpuDecode:
         """
         n, lib = len(tokens), self.lib
         embed, h, head, logits, hidden, width, vocab = self._args
-        lib.fr_embed(embed, (ctypes.c_int64 * n)(*tokens), n, h, width)
+        ids = self._ids
+        ids[:n] = tokens
+        lib.fr_embed(embed, ids, n, h, width)
         self.stack.run(lib, h, n, pos0, save)
         lib.fr_head(h, self.final_norm, self.final_eps, head, logits, hidden, width, vocab, n,
                     torch.get_num_threads())
@@ -441,6 +445,7 @@ class CpuHead:
         self.h = torch.zeros((MAX_TOKENS, hidden))  # [T, H]
         self.hidden = torch.zeros((MAX_TOKENS, hidden))  # [T, H] post-norm
         self.logits = torch.zeros((MAX_TOKENS, vocab))  # [T, V]
+        self._ids = (ctypes.c_int64 * MAX_TOKENS)()
 
     @staticmethod
     def refusal(head) -> str | None:
@@ -454,7 +459,7 @@ class CpuHead:
     def observed(self) -> bool:
         return any(self._hooks)
 
-    @torch.inference_mode()
+    @inference
     def forward(self, tokens, prev: torch.Tensor, row: int, logits: bool = True):
         """
         Consume tokens at arena rows row... after main hiddens prev [T, H] (contiguous).
@@ -463,7 +468,8 @@ class CpuHead:
         call overwrites.
         """
         n, main, lib = len(tokens), self.main, self.lib
-        ids = (ctypes.c_int64 * n)(*tokens)
+        ids = self._ids
+        ids[:n] = tokens
         hidden = self.h.shape[1]
         nthreads = torch.get_num_threads()
         lib.fr_mtp_input(main.embed.data_ptr(), ids, prev.data_ptr(), self.norm_e, self.norm_h,

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .binding import WINDOW_QUANTUM
+from ..inference import inference
 
 # model_type -> the transformers modeling module whose functions the path calls
 FAMILIES = {
@@ -120,7 +121,7 @@ class DecodeFastPath:
                     return False
         return True
 
-    @torch.inference_mode()
+    @inference
     def step(self, token: torch.Tensor, kv_len: int) -> torch.Tensor:
         """Consume token [1, 1] at position kv_len - 1; return its logits [1, V]."""
         self.position.fill_(kv_len - 1)

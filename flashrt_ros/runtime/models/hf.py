@@ -21,6 +21,7 @@ from .binding import BindingDelegate, CacheBinding, module_fingerprint, PROBE_TO
 from .fastpath import DecodeFastPath, refusal
 from .kernels import route_kernels
 from ..errors import ConfigError
+from ..inference import inference
 from ..state.arena import StateSpec
 from ..tokenizer import ByteTokenizer, HFTokenizer
 
@@ -161,7 +162,7 @@ class HFCausalLMAdapter(BindingDelegate, CausalLMAdapter):
 
     # ---- compute ---------------------------------------------------------------------
 
-    @torch.inference_mode()
+    @inference
     def forward(self, input_ids: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
         if (self.fastpath is not None and kv_len is not None and input_ids.shape[1] == 1
                 and self.binding.decode_ready()):

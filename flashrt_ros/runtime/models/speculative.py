@@ -31,6 +31,7 @@ from . import cpu_step
 from .base import CausalLMAdapter
 from .binding import CacheBinding, module_fingerprint, PROBE_TOKENS
 from .mtp import MTPHead
+from ..inference import inference
 from ..state.arena import StateSpec
 
 PREFIX = 'mtp.'
@@ -190,13 +191,13 @@ class MTPAdapter(CausalLMAdapter):
         """One head step: token [1, 1] after hidden prev [1, 1, H]; returns its hidden."""
         return self._head_forward(token, prev, self.binding.cache, rows)
 
-    @torch.inference_mode()
+    @inference
     def draft(self, token: int, prev: torch.Tensor, row: int,
               limit: int) -> tuple[int, torch.Tensor]:
         """One head step at arena row `row` after hidden prev [1, H]: (draft < limit, hidden)."""
         if self.compiled():
             logits, hidden = self.cpu_head.forward((token,), prev, row)
-            return int(logits[0, :limit].argmax()), hidden
+            return int(logits.numpy()[0, :limit].argmax()), hidden
         ids = torch.tensor([[token]], device=self.device)
         hidden = self.draft_step(ids, prev.view(1, 1, -1), row)  # [1, 1, H]
         return int(self.lm_head(hidden)[0, -1, :limit].argmax()), hidden.view(1, -1)
@@ -244,7 +245,7 @@ class MTPAdapter(CausalLMAdapter):
         self.last_hidden = hidden
         return hidden
 
-    @torch.inference_mode()
+    @inference
     def forward(self, input_ids: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
         if (kv_len is not None and kv_len > 1 and input_ids.shape[1] == 1
                 and self.inner.binding.decode_ready() and self.compiled()):
