@@ -20,11 +20,11 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Below this many multiply-adds (128 KiB of float32 weights) a loop stays on the calling
- * thread: waking the pool costs more than the work. Above it, each core streams its share
- * of the weights from its own cache path. */
+/* Below this many multiply-adds (1 MiB of float32 weights) a loop stays on the calling
+ * thread. Waking the pool costs more than the work; and in a step that follows torch ops
+ * after an idle moment, many small parallel loops cost far more than running them alone. */
 #ifndef PARALLEL_MIN
-#define PARALLEL_MIN 32768L
+#define PARALLEL_MIN 262144L
 #endif
 /*
  * Run CALL (a call that reads lo and hi) over [0, n): split over a team of `nthreads` when
