@@ -175,13 +175,13 @@ static inline void dots_block(const float *const *a, int R, const float *x, int6
 
 /*
  * y[t, :] = concat_m(W_m x[t]) for t < T, W_m [rows[m], k], y rows `width` floats apart,
- * over the concatenated rows [lo, hi): a few rows at a time for few tokens, each row of W
+ * over the concatenated rows [lo, hi): `most` rows at a time (R * T <= 4), each row of W
  * read once for up to 4 tokens.
  */
 static void project_rows(const float *const *w, const int64_t *rows, const float *x,
-                         float *y, int64_t k, int64_t T, int64_t width, int64_t lo, int64_t hi)
+                         float *y, int64_t k, int64_t T, int64_t width, int64_t lo, int64_t hi,
+                         int most)
 {
-    const int most = T == 1 ? 4 : T == 2 ? 2 : 1;  /* rows per block */
     int m = 0;
     int64_t first = 0;  /* the first row of matrix m */
     for (int64_t i = lo; i < hi;) {
@@ -206,7 +206,10 @@ static void project(const float *const *w, const int64_t *rows, int count, const
     int64_t n = 0;
     for (int m = 0; m < count; m++)
         n += rows[m];
-    SPLIT(n, n * k * T, nthreads, project_rows(w, rows, x, y, k, T, width, lo, hi));
+    /* Rows per block: several for few tokens while the weights come from cache; one when
+     * they stream from memory, where one sequential stream per thread reads fastest. */
+    const int most = n * k >= PARALLEL_MIN ? 1 : T == 1 ? 4 : T == 2 ? 2 : 1;
+    SPLIT(n, n * k * T, nthreads, project_rows(w, rows, x, y, k, T, width, lo, hi, most));
 }
 
 /* y[t, n] = W[n, k] x[t, k] for t < T */
