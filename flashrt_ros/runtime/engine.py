@@ -69,13 +69,13 @@ def replay_mismatch(replay, step, views: dict[str, torch.Tensor]) -> str | None:
 class Engine:
     """Runs a causal-LM adapter over its bound state and writes last logits into the arena."""
 
-    def __init__(self, adapter: CausalLMAdapter, logits: torch.Tensor, cuda_graphs: bool,
-                 tokens: torch.Tensor | None = None):
+    def __init__(self, adapter: CausalLMAdapter, logits: torch.Tensor, tokens: torch.Tensor,
+                 cuda_graphs: bool):
         self.adapter = adapter
         self.logits = logits  # [V] fp32 arena view: the output of every step
-        # [L] int32 arena view of the consumed ids; on CPU written through numpy (no op)
-        self._history = (tokens.numpy() if tokens is not None and tokens.device.type == 'cpu'
-                         else tokens)
+        self._history = tokens  # [L] int32 arena view of the consumed ids
+        # On CPU written through numpy: no torch op per token
+        self._history_host = tokens.numpy() if tokens.device.type == 'cpu' else None
         self.limit_vocab(logits.shape[0])
         self.device = logits.device
         self.token = torch.zeros(
@@ -121,9 +121,13 @@ class Engine:
     def _step(self, kv_len: int | None = None) -> None:
         self.logits.copy_(self.adapter.forward(self.token, kv_len)[0])  # [V], cast to fp32
 
-    def record(self, token: int, position: int) -> None:
-        """Write a consumed token into the arena's history at `position`."""
-        self._history[position] = token
+    def record(self, ids, position: int) -> None:
+        """Write consumed ids (a sequence) into the arena's history from `position` on."""
+        end = position + len(ids)
+        if self._history_host is not None:
+            self._history_host[position:end] = ids
+        else:
+            self._history[position:end].copy_(torch.tensor(ids, dtype=torch.int32))
 
     @inference
     def decode(self, token: int, position: int) -> None:

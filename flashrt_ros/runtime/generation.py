@@ -146,8 +146,7 @@ def prefill_ids(rt, ids: list[int], stop=None) -> int:
     cursor.extent = max(cursor.extent, cursor.position + len(ids))
     with guarded_forward(rt):
         n = rt.engine.prefill(ids, cursor.position, stop)
-    tokens = rt.arena.views['tokens']
-    tokens[cursor.position:cursor.position + n].copy_(torch.tensor(ids[:n], dtype=torch.int32))
+    rt.engine.record(ids[:n], cursor.position)
     cursor.position += n
     cursor.pending = None
     return n - pending
@@ -158,7 +157,7 @@ def _feed(rt, token: int) -> None:
     cursor.extent = max(cursor.extent, cursor.position + 1)
     with guarded_forward(rt):
         rt.engine.decode(token, cursor.position)
-    rt.engine.record(token, cursor.position)
+    rt.engine.record((token,), cursor.position)
     cursor.position += 1
 
 

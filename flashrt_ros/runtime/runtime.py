@@ -144,9 +144,8 @@ class Runtime:
         if self.is_policy:
             self.engine = PolicyEngine(adapter, self.arena.views)
         else:
-            self.engine = Engine(adapter, self.arena.views['logits'],
-                                 config.cuda_graphs and not self.is_speech,  # speech: eager
-                                 self.arena.views['tokens'])
+            self.engine = Engine(adapter, self.arena.views['logits'], self.arena.views['tokens'],
+                                 config.cuda_graphs and not self.is_speech)  # speech: eager
             if not self.is_speech:  # never sample an id the tokenizer has no token for
                 self.engine.limit_vocab(min(adapter.vocab_size, self.tokenizer.vocab_size))
         budgets = config.sized_budgets(self.arena.nbytes)

@@ -170,8 +170,7 @@ class Speculator:
     def _advance(self, tokens: list[int], best: list[int], accepted: int) -> int:
         """End a round: its consumed tokens in the history, the bonus token pending."""
         cursor, used = self.rt.cursor, accepted + 1
-        self.rt.arena.views['tokens'][cursor.position:cursor.position + used].copy_(
-            torch.tensor(tokens[:used], dtype=torch.int32))
+        self.rt.engine.record(tokens[:used], cursor.position)
         cursor.position += used
         cursor.pending = best[accepted]
         return accepted

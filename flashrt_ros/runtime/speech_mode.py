@@ -135,7 +135,7 @@ def _emit(rt, logits: torch.Tensor, fed: int, frame: int) -> TranscriptEvent:
     """Record the step just run (fed token, logits, next token); return its event."""
     cursor, engine = rt.cursor, rt.engine
     engine.logits.copy_(logits)
-    rt.arena.views['tokens'][cursor.position] = fed
+    engine.record((fed,), cursor.position)
     cursor.position += 1
     token = int(engine.logits.argmax())
     cursor.pending = token

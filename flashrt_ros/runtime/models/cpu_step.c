@@ -23,9 +23,7 @@
 /* Below this many multiply-adds (1 MiB of float32 weights) a loop stays on the calling
  * thread. Waking the pool costs more than the work; and in a step that follows torch ops
  * after an idle moment, many small parallel loops cost far more than running them alone. */
-#ifndef PARALLEL_MIN
 #define PARALLEL_MIN 262144L
-#endif
 /*
  * Run CALL (a call that reads lo and hi) over [0, n): split over a team of `nthreads` when
  * `work` is worth waking it, else on this thread with no OpenMP call at all.
