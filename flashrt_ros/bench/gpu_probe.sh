@@ -11,6 +11,8 @@
 #              (env.json); no usable GPU stops the probe here
 #   cuda-tests the CUDA tests (pytest -m cuda test/runtime; cuda-tests.xml)
 #   figures    fig1-fig4 and fig6 in bf16 (gpu.json, gpu.md, plots/ when matplotlib exists)
+#   speculative  plain vs speculative rounds on the trained default, float32, graphs on
+#              (speculative/speculative.md)
 # The exit code is non-zero when any stage fails or a result file is missing; summary.txt
 # lists each stage. --dry-run runs it on the CPU (float32, tiny sizes) in under two minutes:
 # the GPU stages say they are skipped, the rest runs.
@@ -89,7 +91,7 @@ else
 fi
 
 # 3. The figures without ROS, in what is left of the budget (at most 300 s).
-left=$(( budget - SECONDS - 15 ))
+left=$(( budget - SECONDS - 115 ))  # 100 s stay for the speculative stage
 [ "$left" -gt 300 ] && left=300
 if [ "$left" -gt 30 ]; then
   # shellcheck disable=SC2086  # FLASHRT_GPU_ARGS is a list of options
@@ -101,8 +103,23 @@ else
   failed+=(figures)
 fi
 
-# 4. Every result file is there (a stage can exit 0 and still write nothing).
+# 4. Speculative rounds on the trained default, float32 (every row must decode plain
+# decoding's tokens): the rounds' CUDA graphs beside the decode step's.
+left=$(( budget - SECONDS - 10 ))
+[ "$left" -gt 120 ] && left=120
+if [ "$dry" = 1 ]; then
+  skip speculative "--dry-run: the CPU figure is make bench's"
+elif [ "$left" -gt 30 ]; then
+  stage speculative "$left" "$py" -m flashrt_ros.bench.speculative --model default \
+    --device cuda --dtype float32 --tokens 96 --repeats 3 --out "$out/speculative"
+else
+  log "speculative: FAILED (no time left: ${left} s)"
+  failed+=(speculative)
+fi
+
+# 5. Every result file is there (a stage can exit 0 and still write nothing).
 expected=(env.json "$name.json" "$name.md")
+[ "$dry" = 1 ] || expected+=(speculative/speculative.json)
 [ "$dry" = 1 ] || expected+=(cuda-tests.xml)
 if "$py" -c 'import matplotlib' 2>/dev/null; then
   for fig in fig1 fig2 fig3 fig4 fig6; do expected+=("plots/$name-$fig.png"); done

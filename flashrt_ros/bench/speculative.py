@@ -30,8 +30,8 @@ PROMPT = 'The robot arm picks up the red cube and places it on the shelf. Then i
 RESTORES = 60  # restores per runtime for the latency figure
 
 
-def _config(model, max_seq_len, capsule_dir, **kw):
-    return RuntimeConfig(model=model, device='cpu', dtype='float32', max_seq_len=max_seq_len,
+def _config(model, device, dtype, max_seq_len, capsule_dir, **kw):
+    return RuntimeConfig(model=model, device=device, dtype=dtype, max_seq_len=max_seq_len,
                          capsule_dir=capsule_dir, rollback_depth=2, prompt_format='raw', **kw)
 
 
@@ -73,14 +73,16 @@ def _restore_s(rt, n):
     return summarize(samples, 1e3)
 
 
-def run(model, tokens, repeats, k_max, log):
+def run(model, tokens, repeats, k_max, log, device='cpu', dtype='float32'):
     with tempfile.TemporaryDirectory() as capsules:
         max_seq_len = 1024
         runtimes = {}
         for name, kw, script in _rows(model, k_max):
             spec = name != 'plain'
-            runtimes[name] = (Runtime(_config(model, max_seq_len, capsules, speculation=spec,
-                                              **kw)), script)
+            rt = Runtime(_config(model, device, dtype, max_seq_len, capsules, speculation=spec,
+                                 **kw))
+            rt.warmup()  # on CUDA: the decode step's graph, and the rounds' beside it
+            runtimes[name] = (rt, script)
         plain = runtimes['plain'][0]
         note = runtimes['k=1'][0].stats().speculation
         if not note.get('enabled'):
@@ -96,9 +98,7 @@ def run(model, tokens, repeats, k_max, log):
                 rt.speculator.script = _script(ids, script, vocab)
             _turn(rt, tokens)  # warm-up, and the acceptance counters start after it
             if rt.speculator is not None:
-                rt.speculator.__init__(rt, rt.speculator.draft_tokens, rt.speculator.verify)
-                if script is not None:
-                    rt.speculator.script = _script(ids, script, vocab)
+                rt.speculator.reset_stats()
         samples = {name: [] for name in runtimes}
         identical = dict.fromkeys(runtimes, True)
         for r in range(repeats):
@@ -107,7 +107,8 @@ def run(model, tokens, repeats, k_max, log):
                 samples[name].append(tokens / seconds)
                 identical[name] &= out == reference
             log(f'repeat {r + 1}/{repeats} done')
-        result = {'model': model, 'tokens': tokens, 'repeats': repeats, 'rows': {}}
+        result = {'model': model, 'device': device, 'dtype': dtype, 'tokens': tokens,
+                  'repeats': repeats, 'rows': {}}
         plain_tps = summarize(samples['plain'])['median']
         for name, (rt, _) in runtimes.items():
             tps = summarize(samples[name])
@@ -129,7 +130,8 @@ def to_markdown(result):
     rows = result['rows']
     plain = rows['plain']
     lines = [f"Model `{result['model']}`, {result['tokens']} greedy tokens per turn, "
-             f"median of {result['repeats']} interleaved repeats (CPU, float32).", '',
+             f"median of {result['repeats']} interleaved repeats "
+             f"({result.get('device', 'cpu')}, {result.get('dtype', 'float32')}).", '',
              '| row | tokens/s (p10-p90) | vs plain | tokens per round | acceptance by depth '
              '| same tokens | capsule bytes | restore ms |',
              '|---|---|---|---|---|---|---|---|']
@@ -147,6 +149,12 @@ def to_markdown(result):
             f"({r['median'] / plain['restore_ms']['median']:.2f}x) |")
     lines += ['', 'always-right is the ceiling of a perfect drafter and always-wrong the floor; '
               'neither is a measured speedup.']
+    if result.get('device', 'cpu') != 'cpu':
+        lines += [''] + [
+            f"- {name}: round graphs {'captured' if spec['cuda_graphs'] else 'off'}"
+            f"{'' if spec['cuda_graphs'] else ' (' + str(spec['cuda_graph_note']) + ')'}, "
+            f"{spec['cuda_graph_replays']} replays"
+            for name, spec in ((n, r.get('speculation')) for n, r in rows.items()) if spec]
     return '\n'.join(lines)
 
 
@@ -159,13 +167,17 @@ def main(argv=None):
     p.add_argument('--repeats', type=int, default=5)
     p.add_argument('--k-max', type=int, default=3)
     p.add_argument('--threads', type=int, help='torch threads (default: what torch picks)')
+    p.add_argument('--device', default='cpu', help="'cpu' or 'cuda[:N]' (CUDA: graphs on)")
+    p.add_argument('--dtype', default='float32',
+                   help='float32 (the rows must decode the same tokens) or bfloat16')
     p.add_argument('--out', default='build/bench-results', help='directory of the JSON')
     args = p.parse_args(argv)
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    result = run(args.model, args.tokens, args.repeats, args.k_max, Log())
+    result = run(args.model, args.tokens, args.repeats, args.k_max, Log(), args.device,
+                 args.dtype)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, 'speculative.json'), 'w') as f:
         json.dump(result, f, indent=2)

@@ -261,7 +261,8 @@ class Runtime:
                 eager = self.is_policy or self.is_speech
                 if self.config.cuda_graphs and self._cuda and not eager:
                     self.arena.zero_()
-                    self.engine.capture(self.arena.views)
+                    if self.engine.capture(self.arena.views) and self.speculator is not None:
+                        self.speculator.capture(self.arena.views)
             finally:
                 self.arena.zero_()  # whatever rows the throwaway steps wrote
                 self.codec.apply(saved)  # the prefix is back: the lineage goes on
@@ -293,6 +294,8 @@ class Runtime:
             if self._pool is not None:
                 self._pool.clear()
             self.engine.drop_graph()
+            if self.speculator is not None:
+                self.speculator.drop_graphs()
             self.codec.close()
             del self.adapter, self.engine, self.arena
             if self._cuda:

@@ -10,9 +10,11 @@ consumed) and the main model's last hidden h_{P-1} in the arena. It
 2. verifies them with the main model, `sequential` (one single-token step per token, ending
    at the first mismatch: every step is exactly the one plain greedy decoding would run,
    so tokens and state digests are identical at every commit) or `batched` (one forward
-   over x, d_1..d_k; on a rejection the head of the arena (recurrent, conv, counters) goes
-   back to its copy from before the forward, the rows it wrote are zeroed and the accepted
-   tokens are fed again as one forward);
+   over x, d_1..d_k: compiled, keeping each token's state; with torch, on a rejection the
+   head of the arena (recurrent, conv, counters) goes back to its copy from before the
+   forward, the rows it wrote are zeroed and the accepted tokens are fed again as one
+   forward, all on the device with one host read per round (device_round.py), as CUDA
+   graphs once the decode step is captured);
 3. commits the accepted drafts and the main model's next greedy token (the bonus, pending).
 
 Every token is handed to the turn as it is decided (accept); when the turn ends with one
@@ -29,6 +31,7 @@ import numpy
 import torch
 
 from .config import MAX_DRAFT_TOKENS
+from .device_round import DeviceRound
 from .errors import FlashRTError
 from .generation import _feed
 from .inference import inference
@@ -36,6 +39,8 @@ from .models.speculative import recurrent_rule
 from .preemption import abortable_forward, guarded_forward
 
 TRACE_ROUNDS = 4096  # accepted-draft counts of the latest rounds (tests, benchmarks)
+NAN_LOGITS = ('the model produced NaN logits; no token was taken: check the model (dtype, '
+              'weights) and the capsule the state came from')
 
 
 def _greedy(logits: torch.Tensor, limit: int) -> list[int]:
@@ -52,8 +57,7 @@ def _greedy(logits: torch.Tensor, limit: int) -> list[int]:
         logits = logits[:, :limit]
         nan = bool(torch.isnan(logits).any())
     if nan:
-        raise FlashRTError('the model produced NaN logits; no token was taken: check the '
-                           'model (dtype, weights) and the capsule the state came from')
+        raise FlashRTError(NAN_LOGITS)
     return logits.argmax(-1).tolist()
 
 
@@ -65,14 +69,19 @@ class Speculator:
         self.draft_tokens, self.verify = draft_tokens, verify
         # Tests and benchmarks: script(position, pending, k) -> drafts, instead of the head.
         self.script: Callable[[int, int, int], list[int]] | None = None
+        self.reset_stats()
+        views, arena = rt.arena.views, rt.arena
+        self._head_rows = [views[e.name] for e in arena.manifest
+                           if e.kind == 'mtp' and e.seq_dim is not None]
+        self.device = DeviceRound(rt, draft_tokens) if verify == 'batched' else None
+
+    def reset_stats(self) -> None:
+        """Start the round counters (not the graph replays) from zero."""
         self.rounds = 0
         self.drafted = [0] * MAX_DRAFT_TOKENS  # rounds that drafted depth j + 1
         self.accepted = [0] * MAX_DRAFT_TOKENS  # ... and committed it
         self.tokens = 0  # tokens the rounds handed out
         self.trace: collections.deque[int] = collections.deque(maxlen=TRACE_ROUNDS)
-        views, arena = rt.arena.views, rt.arena
-        self._head_rows = [views[e.name] for e in arena.manifest
-                           if e.kind == 'mtp' and e.seq_dim is not None]
 
     def stats(self) -> dict:
         """Return rounds, mean tokens per round and the acceptance rate of each draft depth."""
@@ -84,7 +93,29 @@ class Speculator:
             'acceptance_by_depth': [a / d if d else 0.0 for a, d in
                                     zip(self.accepted[:self.draft_tokens],
                                         self.drafted[:self.draft_tokens])],
+            'cuda_graphs': bool(self.device and self.device.graphs),
+            'cuda_graph_note': self.device.graph_error if self.device else None,
+            'cuda_graph_replays': self.device.replays if self.device else 0,
         }
+
+    def drop_graphs(self) -> None:
+        if self.device is not None:
+            self.device.graphs.clear()
+
+    def capture(self, views: dict[str, torch.Tensor]) -> bool:
+        """Capture the batched torch round's phases as CUDA graphs (after the decode step)."""
+        if self.device is None or self.adapter.compiled():
+            return False
+        rt, a = self.rt, self.adapter
+
+        def prepare():
+            rt.arena.zero_()
+            a.prepare_capture()
+            a.skip_first_upkeep = False
+        try:
+            return self.device.capture(views, prepare)
+        finally:
+            a.skip_first_upkeep = False
 
     # ---- a round (step lock held, pending token set) ------------------------------------
 
@@ -99,17 +130,21 @@ class Speculator:
         room = rt.config.max_seq_len - position  # tokens that may still be consumed (>= 1)
         k = max(0, min(self.draft_tokens, room - 1, limit - 1))
         try:
-            drafts = self._draft(rt.cursor.pending, position, k)
-            if self.verify == 'batched' and drafts:
+            if self.device is not None and k and not self.adapter.compiled():
                 with recurrent_rule(rt.device.type == 'cpu'):
-                    accepted = self._batched(drafts, accept)
+                    accepted, drafted = self._device_round(k, accept)
             else:
-                accepted = self._sequential(drafts, accept)
+                drafts = self._draft(rt.cursor.pending, position, k)
+                drafted = len(drafts)
+                if self.verify == 'batched' and drafts:
+                    accepted = self._compiled(drafts, accept)
+                else:
+                    accepted = self._sequential(drafts, accept)
         finally:
             self.adapter.skip_first_upkeep = False  # also after an abandoned forward
         self.rounds += 1
         self.tokens += accepted + 1
-        for j in range(len(drafts)):
+        for j in range(drafted):
             self.drafted[j] += 1
             self.accepted[j] += accepted > j
         self.trace.append(accepted)
@@ -127,7 +162,6 @@ class Speculator:
         if k == 0:
             return []
         a, rt = self.adapter, self.rt
-        layer = a.layer
         token, hidden = pending, a.hidden.view(1, -1)
         drafts = []
         for j in range(k):
@@ -135,12 +169,16 @@ class Speculator:
                 token, hidden = a.draft(token, hidden, position + j,  # hidden [1, H]
                                         rt.engine.vocab_limit)
             drafts.append(token)
-        # A captured decode graph writes x's row itself: then none of the rows is kept.
-        keep = 1 if rt.engine.graph is None else 0
-        self._zero_head_rows(position + keep, position + k)
-        layer.cumulative_length.fill_(position - 1 + keep)
-        a.skip_first_upkeep = bool(keep)
+        self._drafted(position, k)
         return drafts
+
+    def _drafted(self, position: int, k: int) -> None:
+        """After k head drafts from `position`: only x's head row stays (see module doc)."""
+        # A captured decode graph writes x's row itself: then none of the rows is kept.
+        keep = 1 if self.rt.engine.graph is None else 0
+        self._zero_head_rows(position + keep, position + k)
+        self.adapter.layer.cumulative_length.fill_(position - 1 + keep)
+        self.adapter.skip_first_upkeep = bool(keep)
 
     def _sequential(self, drafts: list[int], accept) -> int:
         """Verify one token a step, exactly as plain greedy decoding steps; stop at a miss."""
@@ -176,12 +214,6 @@ class Speculator:
         return accepted
 
     @inference
-    def _batched(self, drafts: list[int], accept) -> int:
-        """Verify all drafts in one forward; commit the state of the accepted prefix."""
-        if self.adapter.compiled():
-            return self._compiled(drafts, accept)
-        return self._batched_torch(drafts, accept)
-
     def _compiled(self, drafts: list[int], accept) -> int:
         """
         Verify compiled: one call over x, d_1..d_k that keeps each token's state.
@@ -215,35 +247,52 @@ class Speculator:
             rt.engine.logits.copy_(logits[used - 1])
         return self._advance(tokens, best, accepted)
 
-    @torch.inference_mode()
-    def _batched_torch(self, drafts: list[int], accept) -> int:
-        """Verify with torch: on a miss restore the head and feed the accepted tokens again."""
-        rt, a = self.rt, self.adapter
+    @inference
+    def _device_round(self, k: int, accept) -> tuple[int, int]:
+        """
+        Draft and verify with torch on the device; one host read decides the round.
+
+        Returns (drafts committed, drafts made). On a rejection the head of the arena goes
+        back to its copy from before the verify, the rows the verify wrote are zeroed and the
+        accepted tokens are fed again.
+        """
+        rt, a, dev = self.rt, self.adapter, self.device
         arena, cursor = rt.arena, rt.cursor
-        position, tokens = cursor.position, [cursor.pending] + drafts
-        n = len(tokens)
-        skip = a.skip_first_upkeep
-        head = arena.storage[:arena.head_nbytes].clone()  # recurrent, conv, counters, hidden
-        meta = a.export_meta()
+        position, pending = cursor.position, cursor.pending
+        if self.script is not None:
+            drafts = [int(t) for t in self.script(position, pending, k)][:k]
+            k = len(drafts)
+            dev.ids[0, :k + 1].copy_(torch.tensor([pending] + drafts))
+            if k == 0:
+                return self._sequential([], accept), 0
+        else:
+            dev.ids[0, 0].fill_(pending)
+            with abortable_forward(rt), guarded_forward(rt):
+                dev.run('draft', k, position)
+            self._drafted(position, k)
+        n = k + 1
+        skip, meta = a.skip_first_upkeep, a.export_meta()
         cursor.extent = max(cursor.extent, position + n)
-        ids = torch.tensor([tokens], device=rt.device)
         with abortable_forward(rt), guarded_forward(rt):
-            hidden = a.forward_hidden(ids, kv_len=position + n)  # [1, n, H]
-            logits = a.lm_head(hidden)[0].float()  # [n, V]
-            best = _greedy(logits, rt.engine.vocab_limit)
+            dev.run('verify', n, position)
+            tokens, best, nan = dev.read(n)
+            if nan:
+                raise FlashRTError(NAN_LOGITS)
         accepted = self._accepted(tokens, best, accept)
         used = accepted + 1
-        if used == n:
-            rt.engine.logits.copy_(logits[-1])
-        else:
-            arena.storage[:arena.head_nbytes].copy_(head)
-            arena.storage[arena.prefix_nbytes(position):arena.prefix_nbytes(position + n)].zero_()
-            a.import_meta(meta)
-            if skip:  # the zeroed rows held x's head row too: the feed writes it again
-                a.layer.cumulative_length.fill_(position - 1)
-            with abortable_forward(rt), guarded_forward(rt):
-                rt.engine.prefill(tokens[:used], position)
-        return self._advance(tokens, best, accepted)
+        with guarded_forward(rt):
+            if used == n:
+                rt.engine.logits.copy_(dev.logits[n - 1])
+            else:
+                arena.storage[:arena.head_nbytes].copy_(dev.head)
+                arena.storage[arena.prefix_nbytes(position):
+                              arena.prefix_nbytes(position + n)].zero_()
+                a.import_meta(meta)
+                if skip:  # the zeroed rows held x's head row too: the feed writes it again
+                    a.layer.cumulative_length.fill_(position - 1)
+                with abortable_forward(rt):
+                    dev.run('feed', used, position)
+        return self._advance(tokens, best, accepted), k
 
 
 def attach(adapter, model_id: str):

@@ -97,9 +97,15 @@ def test_always_right_sequential_commits_k_plus_one_per_round(make_runtime):
 
 @pytest.mark.parametrize('model,kind', [(MODELS[0], 'right'), (MODELS[0], 'mixed'),
                                         (MODELS[1], 'mixed')])
-def test_batched_rounds_are_token_identical_in_fp32(make_runtime, model, kind):
-    ids, _ = plain_trace(spec_runtime(make_runtime, model=model))
-    rt = spec_runtime(make_runtime, verify='batched', model=model)
+@pytest.mark.parametrize('path', ['compiled', 'torch', 'torch-static'])
+def test_batched_rounds_are_token_identical_in_fp32(make_runtime, model, kind, path):
+    # torch-static: the device round in the shapes a CUDA graph captures (whole buffers,
+    # positions from the state's counters), run eagerly.
+    compiled = path == 'compiled'
+    ids, _ = plain_trace(spec_runtime(make_runtime, model=model, cpu_step=compiled))
+    rt = spec_runtime(make_runtime, verify='batched', model=model, cpu_step=compiled)
+    assert rt.adapter.compiled() == compiled
+    rt.speculator.device.static = path == 'torch-static'
     rt.speculator.script = scripted(ids, kind)
     assert greedy(rt, N, PROMPT) == ids[-N:]
     if kind == 'mixed':
@@ -127,8 +133,8 @@ def test_a_watched_model_verifies_with_torch_and_keeps_its_tokens(make_runtime):
     ids, _ = plain_trace(spec_runtime(make_runtime))
     rt = spec_runtime(make_runtime, verify='batched')
     rt.speculator.script = scripted(ids, 'mixed')
-    calls, torch_verify = [], rt.speculator._batched_torch
-    rt.speculator._batched_torch = lambda *a: calls.append(1) or torch_verify(*a)
+    calls, torch_round = [], rt.speculator._device_round
+    rt.speculator._device_round = lambda *a: calls.append(1) or torch_round(*a)
     handle = rt.adapter.head.fc.register_forward_hook(lambda m, a, out: None)
     try:
         assert not rt.adapter.compiled()
@@ -149,10 +155,15 @@ def test_batched_rejected_round_is_byte_identical_to_a_plain_step(make_runtime):
     assert len(seen) == N - 1 and all(d == digests[p] for p, d in seen)
 
 
-@pytest.mark.parametrize('verify', ['sequential', 'batched'])
+@pytest.mark.parametrize('verify', ['sequential', 'batched', 'batched-torch',
+                                    'batched-torch-static'])
 def test_mtp_drafts_decode_like_plain_greedy(make_runtime, verify):
-    plain = greedy(make_runtime(), N, PROMPT)
-    rt = spec_runtime(make_runtime, verify=verify)
+    # batched-torch: the head drafts on the device too (device_round.py), argmax in place.
+    compiled = not verify.startswith('batched-torch')
+    plain = greedy(make_runtime(cpu_step=compiled), N, PROMPT)
+    rt = spec_runtime(make_runtime, verify=verify.split('-')[0], cpu_step=compiled)
+    if verify.endswith('static'):
+        rt.speculator.device.static = True
     assert greedy(rt, N, PROMPT) == plain
     assert rt.speculator.rounds == N - 1
     if verify == 'sequential':
@@ -364,6 +375,7 @@ def test_speculator_stats_report_acceptance_by_depth(make_runtime):
     assert isinstance(rt.speculator, Speculator)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
 @pytest.mark.parametrize('verify', ['sequential', 'batched'])
 def test_cuda_rounds_beside_the_captured_decode_graph(make_runtime, verify):
@@ -376,6 +388,40 @@ def test_cuda_rounds_beside_the_captured_decode_graph(make_runtime, verify):
     rt.speculator.script = scripted(ids, 'mixed')
     assert greedy(rt, N, PROMPT) == expected == ids[-N:]
     assert set(rt.speculator.trace) == set(range(K + 1))
+    stats = rt.stats().speculation
+    if verify == 'batched':  # draft, verify and feed were captured beside the decode step
+        assert stats['cuda_graphs'], stats['cuda_graph_note']
+        assert stats['cuda_graph_replays'] >= rt.speculator.rounds
+    else:
+        assert not stats['cuda_graphs'] and stats['cuda_graph_replays'] == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+def test_cuda_graphed_round_reads_the_device_once(make_runtime):
+    plain = make_runtime(device='cuda')
+    plain.warmup()
+    expected = greedy(plain, N, PROMPT)
+    rt = spec_runtime(make_runtime, verify='batched', device='cuda')
+    rt.warmup()
+    assert rt.stats().speculation['cuda_graphs'], rt.stats().speculation['cuda_graph_note']
+    syncs, run = [], rt.speculator.run_round
+
+    def counted(accept, limit):
+        import warnings
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter('always')
+            torch.cuda.set_sync_debug_mode('warn')
+            try:
+                accepted = run(accept, limit)
+            finally:
+                torch.cuda.set_sync_debug_mode('default')
+        syncs.append(sum('synchroniz' in str(w.message) for w in seen))
+        return accepted
+
+    rt.speculator.run_round = counted
+    assert greedy(rt, N, PROMPT) == expected  # the head's own drafts, graphed
+    assert syncs and all(n == 1 for n in syncs), syncs
 
 
 def test_checkpoint_mtp_weights_are_loaded(make_runtime, tmp_path):
