@@ -154,7 +154,8 @@ def to_markdown(result):
             f"- {name}: round graphs {'captured' if spec['cuda_graphs'] else 'off'}"
             f"{'' if spec['cuda_graphs'] else ' (' + str(spec['cuda_graph_note']) + ')'}, "
             f"{spec['cuda_graph_replays']} replays"
-            for name, spec in ((n, r.get('speculation')) for n, r in rows.items()) if spec]
+            for name, spec in ((n, r.get('speculation')) for n, r in rows.items())
+            if spec and spec['verify'] == 'batched']
     return '\n'.join(lines)
 
 
@@ -185,6 +186,10 @@ def main(argv=None):
     with open(os.path.join(args.out, 'speculative.md'), 'w') as f:
         f.write(text + '\n')
     print(text)
+    differ = [name for name, row in result['rows'].items() if not row['token_identical']]
+    if differ:
+        print(f'rows that decode other tokens than plain decoding: {", ".join(differ)}')
+        return 1
     return 0
 
 

@@ -31,6 +31,8 @@ import torch
 
 from .engine import replay_mismatch, WARMUP_STEPS
 
+CHECK_POSITION = 3  # where a captured phase's first replay is compared with an eager run
+
 
 class DeviceRound:
     """Static buffers and device-side phases of the batched torch round (see module doc)."""
@@ -100,13 +102,15 @@ class DeviceRound:
             return
         getattr(self, phase)(count, position)
 
-    def capture(self, views: dict[str, torch.Tensor], prepare: Callable[[], None]) -> bool:
+    def capture(self, views: dict[str, torch.Tensor], prepare: Callable[..., None]) -> bool:
         """
         Capture every phase of rounds of 1..k drafts as CUDA graphs; check each replay once.
 
-        Runs on the zeroed arena; prepare() puts a capturable state in place before each
-        graph (the caller restores the live state afterwards). A phase that fails to capture
-        or to replay like its eager run leaves every phase eager, and says why.
+        prepare(position=0) puts a capturable state in place: the arena zeroed and past its
+        prefill, its counters at `position` (the caller restores the live state afterwards).
+        Each graph is captured at position 0 and checked against an eager run of its phase
+        at another position, so a position baked into a graph shows. A phase that fails to
+        capture or to replay like its eager run leaves every phase eager, and says why.
         """
         device = self.rt.device
         phases = [(p, c) for c in range(1, self.k + 1)
@@ -114,10 +118,15 @@ class DeviceRound:
         # What a phase writes: the state and the round's own buffers.
         written = dict(views, **{'round.ids': self.ids, 'round.logits': self.logits,
                                  'round.out': self.out, 'round.head': self.head})
+        check_at = CHECK_POSITION if self.rt.config.max_seq_len > 2 * (
+            CHECK_POSITION + self.k + 1) else 0
         with torch.cuda.device(device):
             prev = torch.cuda.current_stream(device)
             try:
                 stream = torch.cuda.Stream(device)
+                # One memory pool: the phases replay one after another on one stream and
+                # leave what they hand on in the static buffers.
+                pool = torch.cuda.graph_pool_handle()
                 for phase, count in phases:
                     def run(fn=getattr(self, phase), count=count):
                         fn(count, None)
@@ -130,10 +139,11 @@ class DeviceRound:
                     prepare()
                     stream.wait_stream(prev)
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, stream=stream, capture_error_mode='thread_local'):
+                    with torch.cuda.graph(graph, pool=pool, stream=stream,
+                                          capture_error_mode='thread_local'):
                         run()
                     torch.cuda.synchronize(device)
-                    prepare()
+                    prepare(check_at)
                     mismatch = replay_mismatch(graph.replay, run, written)
                     if mismatch is not None:
                         raise RuntimeError(f'{phase} of {count}: one replay does not match an '

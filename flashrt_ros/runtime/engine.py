@@ -121,10 +121,17 @@ class Engine:
     def _step(self, kv_len: int | None = None) -> None:
         self.logits.copy_(self.adapter.forward(self.token, kv_len)[0])  # [V], cast to fp32
 
-    def record(self, ids, position: int) -> None:
-        """Write consumed ids (a sequence) into the arena's history from `position` on."""
+    def record(self, ids, position: int, on_device: torch.Tensor | None = None) -> None:
+        """
+        Write consumed ids (a sequence) into the arena's history from `position` on.
+
+        on_device: the same ids as a tensor on the arena's device, copied from there (a
+        copy from host memory would wait for the device).
+        """
         end = position + len(ids)
-        if self._history_host is not None:
+        if on_device is not None:
+            self._history[position:end].copy_(on_device)
+        elif self._history_host is not None:
             self._history_host[position:end] = ids
         else:
             self._history[position:end].copy_(torch.tensor(ids, dtype=torch.int32))

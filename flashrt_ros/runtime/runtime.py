@@ -295,7 +295,7 @@ class Runtime:
                 self._pool.clear()
             self.engine.drop_graph()
             if self.speculator is not None:
-                self.speculator.drop_graphs()
+                self.speculator.close()
             self.codec.close()
             del self.adapter, self.engine, self.arena
             if self._cuda:

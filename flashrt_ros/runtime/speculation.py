@@ -98,20 +98,30 @@ class Speculator:
             'cuda_graph_replays': self.device.replays if self.device else 0,
         }
 
-    def drop_graphs(self) -> None:
-        if self.device is not None:
-            self.device.graphs.clear()
+    def close(self) -> None:
+        """Drop the round's graphs and device buffers (Runtime.close)."""
+        self.device = None
 
+    @torch.inference_mode()
     def capture(self, views: dict[str, torch.Tensor]) -> bool:
         """Capture the batched torch round's phases as CUDA graphs (after the decode step)."""
         if self.device is None or self.adapter.compiled():
             return False
+        if self.device.graphs:  # a later warmup(): the graphs stay valid
+            return True
         rt, a = self.rt, self.adapter
+        counters = [views[e.name] for e in rt.arena.manifest if e.kind == 'position']
 
-        def prepare():
+        def prepare(position: int = 0):
+            """Zero the arena, past its prefill; set its counters to `position` (if not 0)."""
             rt.arena.zero_()
             a.prepare_capture()
             a.skip_first_upkeep = False
+            if position:
+                for view in counters:
+                    view.fill_(position)
+                a.layer.cumulative_length.fill_(position - 1)  # the head's rows: from row 1
+                a.meta[0].fill_(position)
         try:
             return self.device.capture(views, prepare)
         finally:
@@ -205,10 +215,12 @@ class Speculator:
                 break
         return accepted
 
-    def _advance(self, tokens: list[int], best: list[int], accepted: int) -> int:
+    def _advance(self, tokens: list[int], best: list[int], accepted: int,
+                 on_device: torch.Tensor | None = None) -> int:
         """End a round: its consumed tokens in the history, the bonus token pending."""
         cursor, used = self.rt.cursor, accepted + 1
-        self.rt.engine.record(tokens[:used], cursor.position)
+        self.rt.engine.record(tokens[:used], cursor.position,
+                              None if on_device is None else on_device[:used])
         cursor.position += used
         cursor.pending = best[accepted]
         return accepted
@@ -292,7 +304,7 @@ class Speculator:
                     a.layer.cumulative_length.fill_(position - 1)
                 with abortable_forward(rt):
                     dev.run('feed', used, position)
-        return self._advance(tokens, best, accepted), k
+        return self._advance(tokens, best, accepted, dev.ids[0]), k
 
 
 def attach(adapter, model_id: str):
