@@ -68,10 +68,11 @@ def test_a_multi_token_call_equals_single_steps_bit_for_bit(make_runtime, model)
 @pytest.mark.parametrize('model', FAST + ['default'])
 def test_the_thread_count_changes_no_bit(make_runtime, model):
     """Rows and attention spans split over threads, each formed alike: one thread or four."""
-    rt = make_runtime(model, max_seq_len=2400)
+    rt = make_runtime(model, max_seq_len=4400)
     cs = rt.adapter.cpu_step
-    # Long enough that attention splits its spans over threads; a partial last span.
-    rt.prefill([(7 * i) % 250 + 3 for i in range(2101)])
+    # Long enough that attention splits its spans over threads (1 MiB of keys: 4,096 rows
+    # of 2 heads of 32); a partial last span.
+    rt.prefill([(7 * i) % 250 + 3 for i in range(4101)])
     pos, start = rt.position, rt.arena.storage.clone()
     threads = torch.get_num_threads()
     runs = []

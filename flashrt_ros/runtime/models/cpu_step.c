@@ -621,7 +621,9 @@ static void attention(const struct fr_layer *L, const float *x, float *out, floa
         }
         *L->length += 1;
         const int64_t spans = (kv_len + SPAN - 1) / SPAN, item = groups * (SPAN + d + 2);
-        SPLIT(spans, hq * kv_len * d, L->nthreads,
+        /* Parallel from 1 MiB of keys: below it one thread reads the rows about as fast,
+         * and the first step after an idle moment does not wait for the pool to wake. */
+        SPLIT(spans, hkv * kv_len * d, L->nthreads,
               attend_items(L, q, kv_len, spans, scores, lo, hi));
         for (int64_t h = 0; h < hq; h++) {
             const int64_t g = h / groups, j = h % groups;
