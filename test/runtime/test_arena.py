@@ -1,7 +1,9 @@
 """StateArena: one allocation, typed views, a state that is a prefix of it, one-copy capsules."""
 
+import ctypes
 import hashlib
 
+from flashrt_ros.runtime.state import arena as arena_module
 from flashrt_ros.runtime.state.arena import ALIGN, LINEAGE_LINKS, SLOT_ALIGN, StateArena, StateSpec
 import pytest
 import torch
@@ -71,8 +73,8 @@ def test_state_at_a_position_is_a_prefix_of_the_arena():
     assert arena.packing(6).nbytes == arena.prefix_nbytes(6) < arena.nbytes
 
 
-def _copies(fn):
-    """Count the aten copy_ calls fn makes."""
+def _copies(fn, monkeypatch):
+    """Count the copies fn makes: aten copy_ calls and memmoves (arena.copy_into)."""
     class Count(TorchDispatchMode):
         n = 0
 
@@ -81,8 +83,16 @@ def _copies(fn):
                 Count.n += 1
             return func(*args, **(kwargs or {}))
 
-    with Count():
-        fn()
+    memmove = ctypes.memmove
+
+    def counted(*args):
+        Count.n += 1
+        return memmove(*args)
+
+    with monkeypatch.context() as m:
+        m.setattr(ctypes, 'memmove', counted)
+        with Count():
+            fn()
     return Count.n
 
 
@@ -158,13 +168,21 @@ def _layers(n, max_len=16):
             for i in range(n) for s in _specs(max_len)]
 
 
-def test_snapshot_and_restore_are_one_copy_whatever_the_layer_count():
+@pytest.mark.parametrize('serial_max', [arena_module.SERIAL_COPY_MAX, 0])
+def test_snapshot_and_restore_are_one_copy_whatever_the_layer_count(monkeypatch, serial_max):
+    # serial_max 0: every copy through torch, as a state of 16 MiB and more is copied.
+    monkeypatch.setattr(arena_module, 'SERIAL_COPY_MAX', serial_max)
     for n in (1, 12):
         arena = StateArena(_layers(n), 'cpu')
         _advance(arena, 0, 5, seed=n)
+        digest = _digest(arena)
         blob, packing = arena.pack(5)
-        assert _copies(lambda: arena.pack(5)) == 1
-        assert _copies(lambda: arena.unpack(blob, packing, live_rows=5)) == 1
+        assert _copies(lambda: arena.pack(5), monkeypatch) == 1
+        _advance(arena, 5, 9, seed=n + 1)
+        assert _copies(lambda: arena.unpack(blob, packing, live_rows=9), monkeypatch) == 1
+        assert _digest(arena) == digest  # the rows written past 5 are zeroed again
+        arena.zero_()
+        assert not arena.storage.any()
 
 
 def test_packed_blob_is_deterministic_and_restores_many_layers():

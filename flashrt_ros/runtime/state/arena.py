@@ -37,6 +37,7 @@ copied whole.
 from __future__ import annotations
 
 import collections
+import ctypes
 from dataclasses import dataclass
 import hashlib
 import itertools
@@ -168,16 +169,39 @@ def typed_view(
 
 
 def _words(buf: torch.Tensor) -> torch.Tensor:
-    """
-    View a flat uint8 buffer as int64 words when its start and length allow (else as is).
-
-    Copying 8x fewer elements keeps a state of up to 256 KiB under ATen's parallel grain,
-    so the calling thread copies it alone: waking an OpenMP team from a thread that rarely
-    runs torch (a ROS executor thread serving ~/restore) costs more than such a copy.
-    """
+    """View a flat uint8 buffer as int64 words when its start and length allow (else as is)."""
     if buf.storage_offset() % 8 == 0 and buf.numel() % 8 == 0:
         return buf.view(torch.int64)
     return buf
+
+
+# A CPU copy or fill of fewer bytes runs on the calling thread, as one memmove or memset.
+# torch splits it over its thread pool instead, whose workers sleep after an idle moment:
+# waking them costs more than the whole copy (on a VM, ms against 0.1-0.6 ms; a restore
+# usually comes after an idle moment, from a thread that rarely runs torch).
+SERIAL_COPY_MAX = 16 << 20
+
+
+def _serial(*tensors: torch.Tensor) -> bool:
+    t = tensors[0]
+    return (all(x.device.type == 'cpu' and x.is_contiguous() for x in tensors)
+            and t.numel() * t.element_size() < SERIAL_COPY_MAX)
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) for two contiguous tensors of one dtype and size (see SERIAL_COPY_MAX)."""
+    if _serial(src, dst):
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+    else:
+        dst.copy_(src)
+
+
+def zero_into(t: torch.Tensor) -> None:
+    """t.zero_() for a contiguous tensor (see SERIAL_COPY_MAX)."""
+    if _serial(t):
+        ctypes.memset(t.data_ptr(), 0, t.numel() * t.element_size())
+    else:
+        t.zero_()
 
 
 class StateArena:
@@ -277,7 +301,7 @@ class StateArena:
         return self._by_name[name]
 
     def zero_(self) -> None:
-        self.storage.zero_()
+        zero_into(self.storage)
         self.begin_epoch()
 
     # ---- lineage: which sequence rows the live state shares with a capsule ------------
@@ -347,7 +371,7 @@ class StateArena:
             else torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         )
         dst = _words(blob)
-        dst.copy_(self._words[:dst.numel()] if dst.dtype == self._words.dtype
+        copy_into(dst, self._words[:dst.numel()] if dst.dtype == self._words.dtype
                   else self.storage[:nbytes])
         return blob, packing
 
@@ -404,9 +428,9 @@ class StateArena:
                     if views is not None:
                         views[key] = pair
             dst, src = pair
-            dst.copy_(src)
+            copy_into(dst, src)
             if stale > packing.rows:
-                self.storage[packing.nbytes:self.prefix_nbytes(stale)].zero_()
+                zero_into(self.storage[packing.nbytes:self.prefix_nbytes(stale)])
             self.begin_epoch(*lineage)
             return src.nbytes, blob
         if blob.numel() < packing.nbytes:
