@@ -10,6 +10,7 @@ import os
 
 from flashrt_ros.runtime import Runtime
 from flashrt_ros.runtime.config import TIERS
+from flashrt_ros.runtime.state.arena import copy_into
 import numpy as np
 import torch
 
@@ -23,6 +24,7 @@ from .measure import (
     prefill_layer_times,
     raw_copy,
     restored_first_token_s,
+    sample_after_idle_s,
     sample_interleaved_s,
     token_ids,
 )
@@ -30,6 +32,7 @@ from .peer import open_peer, peer_decode_tps, skip_reason
 
 PREFILL_GROWTH = 1.25  # predicted cold-prefill time grows as length ** this (a bit superlinear)
 ATTENTION_TYPES = ('full_attention', 'sliding_attention', 'attention')
+IDLE_S, IDLE_REPEATS = 0.05, 10  # fig1's restores after a quiet moment
 
 
 @dataclasses.dataclass
@@ -180,9 +183,13 @@ def fig1_snapshot_restore(rt, plan, log):
                 # restore runs. The arena holds that capsule's bytes, so nothing changes.
                 views = []
                 fns += [lambda: views.__setitem__(slice(None), _restore_views(rt, name)),
-                        restore, forget, lambda: views[0].copy_(views[1])]
+                        restore, forget, lambda: copy_into(*views)]
             times = sample_interleaved_s(fns, plan.fast_repeats, rt.device)
             snap, raw_snap, first, rest, _, _, _, full, raw_rest = times[:9]
+            if tier == 'device':
+                # After a quiet moment, as an interrupt comes: a full restore and the raw copy.
+                idle = sample_after_idle_s([restore, raw_restore], IDLE_REPEATS, rt.device,
+                                           IDLE_S, before=forget)
             rt.delete_capsule(name)
             row = {'position': size, 'tier': tier, 'bytes': nbytes, 'raw_copy': raw_what,
                    'snapshot_ms': _stats_ms(snap), 'restore_ms': _stats_ms(full),
@@ -203,6 +210,8 @@ def fig1_snapshot_restore(rt, plan, log):
                 # What the restore spends beside its copy: checks, lineage, meta, ring.
                 row['restore_rest_us'] = 1e3 * (row['restore_ms']['median']
                                                 - row['restore_copy_ms']['median'])
+                row['idle_s'] = IDLE_S
+                row['idle_restore_ms'], row['idle_raw_restore_ms'] = map(_stats_ms, idle)
             rows.append(row)
             log(f'fig1 position {size} {tier}: {nbytes / 2**20:.2f} MiB, restore '
                 f'{row["restore_ms"]["median"]:.3f} ms (same lineage '

@@ -58,6 +58,24 @@ def sample_interleaved_s(fns, repeats: int, device: torch.device) -> list[list[f
     return times
 
 
+def sample_after_idle_s(fns, repeats: int, device: torch.device, idle_s: float,
+                        before=None) -> list[list[float]]:
+    """
+    Like sample_interleaved_s, each call after `idle_s` of sleep (then before(), untimed).
+
+    What a call costs when it comes after a quiet moment, as an interrupt does: thread
+    pools have parked their workers and caches hold other things.
+    """
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, times):
+            time.sleep(idle_s)
+            if before is not None:
+                before()
+            out += sample_s(fn, 1, device)
+    return times
+
+
 def token_ids(n: int, seed: int = 0) -> list[int]:
     """Return n seeded pseudo-random token ids in the byte range (valid for every vocab here)."""
     g = torch.Generator().manual_seed(seed)

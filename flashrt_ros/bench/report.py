@@ -20,7 +20,8 @@ def _yes(flag):
 def _fig1(f):
     header = ['position', 'tier', 'MiB', 'snapshot ms', 'raw ms', 'x raw', 'restore ms',
               'raw ms', 'x raw', 'its copy x raw', 'rest us', 'restore GB/s',
-              'same-lineage restore ms', 'x raw', '1st restore ms', 'n']
+              'same-lineage restore ms', 'x raw', '1st restore ms', 'n',
+              'after idle: restore / raw ms']
     rows = [[r['position'], r['tier'], f'{r["bytes"] / 2**20:.2f}',
              _num(r['snapshot_ms']['median'], '.3f'), _num(r['raw_snapshot_ms']['median'], '.3f'),
              _num(r['snapshot_vs_raw']), _num(r['restore_ms']['median'], '.3f'),
@@ -29,7 +30,9 @@ def _fig1(f):
              _num(r['restore_mb_per_s'] / 1e3),
              _num(r['restore_same_lineage_ms']['median'], '.3f'),
              _num(r['restore_same_lineage_vs_raw']),
-             _num(r['first_restore_ms']['median'], '.3f'), r['restore_ms']['n']]
+             _num(r['first_restore_ms']['median'], '.3f'), r['restore_ms']['n'],
+             f"{r['idle_restore_ms']['median']:.3f} / {r['idle_raw_restore_ms']['median']:.3f}"
+             if 'idle_restore_ms' in r else '-']
             for r in f['rows']]
     return header, rows
 
