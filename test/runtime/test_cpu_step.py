@@ -12,6 +12,43 @@ import torch
 FAST = ['builtin:tiny-hybrid', 'builtin:tiny-qwen3-5']
 
 
+def _odd_checkpoint(directory, head_dim, key_dim, value_dim, hidden):
+    """A Qwen3-Next checkpoint whose sizes are not multiples of a vector (8 or 16 floats)."""
+    from flashrt_ros.runtime.tokenizer import ByteTokenizer
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(
+        vocab_size=264, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=4,
+        head_dim=head_dim, num_attention_heads=4, num_key_value_heads=2,
+        layer_types=['linear_attention'] * 3 + ['full_attention'], mlp_only_layers=[0, 1, 2, 3],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=key_dim,
+        linear_value_head_dim=value_dim, linear_conv_kernel_dim=4, tie_word_embeddings=True,
+        rope_parameters={'rope_type': 'default', 'rope_theta': 10000.0,
+                         'partial_rotary_factor': 0.5},
+        initializer_range=0.2)  # large enough that the context changes the tokens
+    torch.manual_seed(0)
+    Qwen3NextForCausalLM(config).float().save_pretrained(str(directory))
+    ByteTokenizer().save(directory)
+    return str(directory)
+
+
+@pytest.mark.parametrize('dims', [(12, 12, 12, 96), (20, 20, 28, 100), (36, 24, 40, 72)])
+def test_sizes_off_the_vector_width_take_the_scalar_tails(make_runtime, tmp_path, dims):
+    # Head dims that are not multiples of 8 attend through the scalar path; hidden and head
+    # sizes that are not multiples of 16 end every dot product in its scalar tail.
+    model = _odd_checkpoint(tmp_path / 'odd', *dims)
+    fast = make_runtime(model, max_seq_len=512)
+    exact = make_runtime(model, max_seq_len=512, cpu_step=False)
+    assert fast.adapter.cpu_step is not None, fast.stats().cpu_step_note
+    for rt in (fast, exact):
+        rt.prefill(PROMPT * 6, raw=True)  # attention over more than one span of rows
+    logits_fast, _ = decode_steps(fast, 12)
+    logits_exact, _ = decode_steps(exact, 12)
+    for i, (a, b) in enumerate(zip(logits_fast, logits_exact)):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), f'step {i}: {(a - b).abs().max()}'
+    assert greedy(fast, 12) == greedy(exact, 12)
+
+
 @pytest.mark.parametrize('model', FAST + ['default'])
 def test_steps_agree_with_the_exact_path_to_float32_rounding(make_runtime, model):
     fast = make_runtime(model, max_seq_len=600)
