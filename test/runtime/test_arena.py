@@ -226,3 +226,13 @@ def test_lineage_keeps_the_newest_links_only():
     newest = (epochs + [arena.epoch])[-LINEAGE_LINKS:]
     assert list(arena._parents) == newest  # bounded: the oldest links went first
     assert arena.rows_shared(epochs[-1]) == 3 and arena.rows_shared(epochs[-20]) == 3
+
+
+def test_a_copy_of_another_size_is_refused_not_written_past_the_end():
+    # The one-thread copy takes equal sizes only; anything else goes to torch, which refuses.
+    buf = torch.zeros(32, dtype=torch.uint8)
+    with pytest.raises(RuntimeError):
+        arena_module.copy_into(buf[:8], torch.ones(16, dtype=torch.uint8))
+    assert not buf.any()
+    arena_module.copy_into(buf[:16], torch.ones(16, dtype=torch.uint8))
+    assert buf[:16].all() and not buf[16:].any()

@@ -169,8 +169,8 @@ def typed_view(
 
 
 def _words(buf: torch.Tensor) -> torch.Tensor:
-    """View a flat uint8 buffer as int64 words when its start and length allow (else as is)."""
-    if buf.storage_offset() % 8 == 0 and buf.numel() % 8 == 0:
+    """View a flat uint8 buffer as int64 words when its address and length allow (else as is)."""
+    if buf.data_ptr() % 8 == 0 and buf.numel() % 8 == 0:
         return buf.view(torch.int64)
     return buf
 
@@ -184,14 +184,20 @@ SERIAL_COPY_MAX = 16 << 20
 
 def _serial(*tensors: torch.Tensor) -> bool:
     t = tensors[0]
-    return (all(x.device.type == 'cpu' and x.is_contiguous() for x in tensors)
-            and t.numel() * t.element_size() < SERIAL_COPY_MAX)
+    return (all(x.device.type == 'cpu' and x.is_contiguous() and x.dtype == t.dtype
+                and x.nbytes == t.nbytes for x in tensors) and t.nbytes < SERIAL_COPY_MAX)
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst.copy_(src) for two contiguous tensors of one dtype and size (see SERIAL_COPY_MAX)."""
+    """
+    dst.copy_(src) (see SERIAL_COPY_MAX).
+
+    Tensors of one dtype and size, contiguous on the CPU, are copied with memmove (torch's
+    version counter is not bumped: nothing here is tracked by autograd); anything else goes
+    through copy_, which converts, broadcasts or refuses as usual.
+    """
     if _serial(src, dst):
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.nbytes)
     else:
         dst.copy_(src)
 
@@ -199,7 +205,7 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
 def zero_into(t: torch.Tensor) -> None:
     """t.zero_() for a contiguous tensor (see SERIAL_COPY_MAX)."""
     if _serial(t):
-        ctypes.memset(t.data_ptr(), 0, t.numel() * t.element_size())
+        ctypes.memset(t.data_ptr(), 0, t.nbytes)
     else:
         t.zero_()
 
@@ -440,7 +446,7 @@ class StateArena:
         if blob.device != self.device:
             blob = blob.to(self.device, non_blocking=True)
         src = blob
-        if blob.storage_offset() % SLOT_ALIGN:
+        if blob.data_ptr() % SLOT_ALIGN:
             src = blob.clone()  # typed views need aligned elements (a mapped disk blob)
         copied = 0
         for e in self.manifest:
