@@ -92,6 +92,11 @@ class DeviceRound:
 
     # ---- graphs ------------------------------------------------------------------------
 
+    def phases(self) -> list[tuple[str, int]]:
+        """(phase, token count) of every graph: rounds of 1..k drafts."""
+        return [(phase, count) for k in range(1, self.k + 1)
+                for phase, count in (('draft', k), ('verify', k + 1), ('feed', k))]
+
     def run(self, phase: str, count: int, position: int) -> None:
         """Run a phase: its captured graph when it applies, else eagerly."""
         graph = self.graphs.get((phase, count))
@@ -113,8 +118,6 @@ class DeviceRound:
         capture or to replay like its eager run leaves every phase eager, and says why.
         """
         device = self.rt.device
-        phases = [(p, c) for c in range(1, self.k + 1)
-                  for p, c in (('draft', c), ('verify', c + 1), ('feed', c))]
         # What a phase writes: the state and the round's own buffers.
         written = dict(views, **{'round.ids': self.ids, 'round.logits': self.logits,
                                  'round.out': self.out, 'round.head': self.head})
@@ -127,7 +130,7 @@ class DeviceRound:
                 # One memory pool: the phases replay one after another on one stream and
                 # leave what they hand on in the static buffers.
                 pool = torch.cuda.graph_pool_handle()
-                for phase, count in phases:
+                for phase, count in self.phases():
                     def run(fn=getattr(self, phase), count=count):
                         fn(count, None)
                     for _ in range(WARMUP_STEPS):  # on a side stream, as torch asks

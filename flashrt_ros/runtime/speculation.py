@@ -246,8 +246,7 @@ class Speculator:
         used = accepted + 1
         with guarded_forward(rt):
             main.keep_prefix(used, n)
-            arena.storage[arena.prefix_nbytes(position + used):
-                          arena.prefix_nbytes(position + n)].zero_()
+            arena.zero_rows(position + used, position + n)
             # The head rows of the consumed tokens (x's when no draft of the head wrote it)
             first = 1 if a.skip_first_upkeep else 0
             if used > first:
@@ -297,8 +296,7 @@ class Speculator:
                 rt.engine.logits.copy_(dev.logits[n - 1])
             else:
                 arena.storage[:arena.head_nbytes].copy_(dev.head)
-                arena.storage[arena.prefix_nbytes(position):
-                              arena.prefix_nbytes(position + n)].zero_()
+                arena.zero_rows(position, position + n)
                 a.import_meta(meta)
                 if skip:  # the zeroed rows held x's head row too: the feed writes it again
                     a.layer.cumulative_length.fill_(position - 1)

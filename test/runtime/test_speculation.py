@@ -141,9 +141,7 @@ def as_if_graphed(rt):
     rt.engine.graph = Replayed(rt.engine._step)  # Engine.decode replays it: kv_len None
     dev = rt.speculator.device
     dev.graphs = {(phase, count): Replayed(lambda p=phase, c=count: getattr(dev, p)(c, None))
-                  for count in range(1, dev.k + 1)
-                  for phase, count in (('draft', count), ('verify', count + 1),
-                                       ('feed', count))}
+                  for phase, count in dev.phases()}
 
 
 @pytest.mark.parametrize('kind', ['right', 'wrong', 'mixed', 'head'])

@@ -355,6 +355,10 @@ class StateArena:
         """Bytes of the arena prefix that holds the state at `rows` positions."""
         return self.head_nbytes + rows * self.row_nbytes
 
+    def zero_rows(self, start: int, stop: int) -> None:
+        """Zero rows [start, stop) of every row-block tensor (one contiguous range)."""
+        zero_into(self.storage[self.prefix_nbytes(start):self.prefix_nbytes(stop)])
+
     def packing(self, position: int) -> Packing:
         """Return the packing of a snapshot at `position`: the prefix to its last used row."""
         rows = min(position, self.rows)
@@ -436,7 +440,7 @@ class StateArena:
             dst, src = pair
             copy_into(dst, src)
             if stale > packing.rows:
-                zero_into(self.storage[packing.nbytes:self.prefix_nbytes(stale)])
+                self.zero_rows(packing.rows, stale)
             self.begin_epoch(*lineage)
             return src.nbytes, blob
         if blob.numel() < packing.nbytes:
