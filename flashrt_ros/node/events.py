@@ -1,9 +1,12 @@
 """~/events: capsule operation telemetry, published by a thread of its own."""
 
+import collections
 import queue
 import threading
+import time
 
 from flashrt_ros.msg import CapsuleEvent
+import numpy as np
 
 
 class EventPublisher:
@@ -21,9 +24,14 @@ class EventPublisher:
         self._thread = threading.Thread(target=self._loop, name='flashrt-events', daemon=True)
         self._thread.start()
 
-    def put(self, fields, stamp):
-        """Queue an event with CapsuleEvent `fields` and a rclpy Time `stamp`."""
-        self._queue.put((fields, stamp))
+    def put(self, fields, stamp, stages=()):
+        """
+        Queue an event with CapsuleEvent `fields` and a rclpy Time `stamp`.
+
+        stages: [('received', wall time), (stage, wall time), ...] of an interrupt; the event
+        says each stage's time after receipt, and 'published' last.
+        """
+        self._queue.put((fields, stamp, stages))
 
     def flush(self, timeout=1.0):
         """Wait until the events queued so far are published."""
@@ -42,9 +50,41 @@ class EventPublisher:
                 item.set()
                 continue
             try:
-                fields, stamp = item
+                fields, stamp, stages = item
                 event = CapsuleEvent(**fields)
                 event.header.stamp = stamp.to_msg()
+                if stages:
+                    received = stages[0][1]
+                    event.stage_names = [name for name, _ in stages[1:]] + ['published']
+                    event.stage_ms = [(t - received) * 1e3 for _, t in stages[1:]] + [
+                        (time.time() - received) * 1e3]
                 self._pub.publish(event)
             except Exception as exc:  # e.g. the context shut down under us; keep the thread
                 self._logger.warning(f'could not publish a capsule event: {exc!r}')
+
+
+class StageStats:
+    """The last interrupts' stages, for /diagnostics: median and p99 after receipt."""
+
+    def __init__(self, keep=1000):
+        self._recent = collections.deque(maxlen=keep)  # {stage: ms after receipt}
+        self._lock = threading.Lock()
+
+    def add(self, stages):
+        """Count one interrupt's [('received', wall), (stage, wall), ...]."""
+        received = stages[0][1]
+        with self._lock:
+            self._recent.append({name: (t - received) * 1e3 for name, t in stages[1:]})
+
+    def values(self):
+        """Return {key: text} for /diagnostics (empty before the first interrupt)."""
+        with self._lock:
+            recent = list(self._recent)
+        if not recent:
+            return {}
+        out = {'interrupts_timed': len(recent)}
+        for name in recent[-1]:
+            ms = np.array([r[name] for r in recent if name in r])
+            out[f'interrupt_{name}_ms'] = (f'last {recent[-1][name]:.3f}, median '
+                                           f'{np.median(ms):.3f}, p99 {np.percentile(ms, 99):.3f}')
+        return out

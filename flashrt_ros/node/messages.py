@@ -201,12 +201,12 @@ def speculation_values(spec):
                 f'{a:.3f}' for a in spec['acceptance_by_depth'])}
 
 
-def diagnostic_status(name, state_label, session, stage=''):
+def diagnostic_status(name, state_label, session, stage='', extra=None):
     """
     Build the node's DiagnosticStatus: lifecycle state, and the runtime's stats if any.
 
     stage: what a configure or activate in progress is doing (loading, binding, warm-up,
-    home prefill); '' when none runs.
+    home prefill); '' when none runs. extra: more {key: value} (the interrupts' stages).
     """
     status = DiagnosticStatus(name=name)
     values = {'lifecycle_state': state_label}
@@ -247,5 +247,6 @@ def diagnostic_status(name, state_label, session, stage=''):
             else:
                 status.level = DiagnosticStatus.WARN
                 status.message = f'{state_label}: {stage}' if stage else state_label
+    values.update(extra or {})
     status.values = [KeyValue(key=k, value=str(v)) for k, v in values.items()]
     return status

@@ -18,8 +18,8 @@ import time
 
 from diagnostic_msgs.msg import DiagnosticArray
 from flashrt_ros.action import Generate
-from flashrt_ros.msg import ActionChunk, AudioChunk, CapsuleEvent, Interrupt, TokenChunk
-from flashrt_ros.qos import ACTIONS_QOS, AUDIO_QOS, COMMAND_QOS, DIAGNOSTICS_QOS, INTERRUPT_QOS
+from flashrt_ros.msg import ActionChunk, AudioChunk, CapsuleEvent, TokenChunk
+from flashrt_ros.qos import ACTIONS_QOS, AUDIO_QOS, COMMAND_QOS, DIAGNOSTICS_QOS
 from flashrt_ros.qos import FEEDBACK_QOS, OBSERVATION_QOS, STREAM_QOS
 from flashrt_ros.runtime import BusyError, FlashRTError, Runtime
 from flashrt_ros.runtime.config import TIERS
@@ -41,7 +41,8 @@ from std_srvs.srv import Trigger
 from trajectory_msgs.msg import JointTrajectory
 
 from . import messages, parameters
-from .events import EventPublisher
+from .control import ControlPath, received_time
+from .events import EventPublisher, StageStats
 from .outputs import RosOutputs
 from .transfer import CapsuleTransfer
 
@@ -58,13 +59,6 @@ _MESSAGE_INFO = hasattr(Subscription, 'CallbackType')
 
 def _without_info(callback, msg):
     callback(msg, None)
-
-
-def received_time(msg_info):
-    """Wall time the middleware received the message (falls back to now)."""
-    now = time.time()
-    received = ((msg_info or {}).get('received_timestamp') or 0) / 1e9
-    return received if now - 10.0 < received <= now + 0.001 else now
 
 
 class FlashRTNode(LifecycleNode):
@@ -99,6 +93,7 @@ class FlashRTNode(LifecycleNode):
         # Diagnostics report in every state (also why the node is not active).
         self._diag_pub = self.create_publisher(DiagnosticArray, '/diagnostics', DIAGNOSTICS_QOS)
         self._events = EventPublisher(events_pub, self.get_logger())
+        self.interrupt_stages = StageStats()  # for /diagnostics
 
         state, ordered, query = self._state_group, self._ordered_group, self._query_group
         for srv_type, name, callback, group in (
@@ -118,14 +113,16 @@ class FlashRTNode(LifecycleNode):
             handle_accepted_callback=self._handle_accepted_callback,
             cancel_callback=self._cancel_callback, feedback_pub_qos_profile=FEEDBACK_QOS)
 
-        # A silent QoS mismatch on ~/interrupt would lose every interrupt: it is reported.
+        # ~/interrupt and ~/reset: the control path (control.py). A silent QoS mismatch on
+        # ~/interrupt would lose every interrupt: it is reported.
         interrupt_events = SubscriptionEventCallbacks(
             incompatible_qos=self._interrupt_qos_mismatch, use_default_callbacks=False)
+        self._control = ControlPath(self, self._param('control_executor'),
+                                    self._interrupt_callback, self._reset_callback,
+                                    interrupt_events, group=ordered)
+        self._control.start(self.get_logger(), lambda: not self.context.ok())
         for msg_type, topic, callback, qos, events, group in (
                 (String, '~/prompt', self._prompt_callback, COMMAND_QOS, None, ordered),
-                (Interrupt, '~/interrupt', self._interrupt_callback, INTERRUPT_QOS,
-                 interrupt_events, ordered),
-                (Empty, '~/reset', self._reset_callback, COMMAND_QOS, None, ordered),
                 (JointState, '~/observation', self._joint_state_callback, OBSERVATION_QOS,
                  None, state),
                 (Float32MultiArray, '~/observation_vector', self._vector_callback,
@@ -282,7 +279,8 @@ class FlashRTNode(LifecycleNode):
                 self.get_logger().warning(f'closing the runtime: {exc}')
 
     def destroy_node(self):
-        """Stop the events thread, then destroy the node."""
+        """Stop the control path and the events thread, then destroy the node."""
+        self._control.stop()
         self._events.close()
         super().destroy_node()
 
@@ -298,7 +296,7 @@ class FlashRTNode(LifecycleNode):
     # ---- outputs -----------------------------------------------------------------------
 
     def publish_event(self, operation, name, tier, size_bytes, latency_ms, success, message,
-                      stamp=None):
+                      stamp=None, stages=()):
         """Queue a CapsuleEvent, stamped now (or `stamp`), for the events thread."""
         if not self.active:
             return
@@ -307,7 +305,9 @@ class FlashRTNode(LifecycleNode):
                   'size_bytes': max(0, int(size_bytes)), 'latency_ms': float(latency_ms),
                   'position': int(rt.position) if rt is not None else 0,
                   'success': bool(success), 'message': message}
-        self._events.put(fields, stamp or self.get_clock().now())
+        if stages:
+            self.interrupt_stages.add(stages)
+        self._events.put(fields, stamp or self.get_clock().now(), stages)
 
     def publish_evictions(self):
         """Report capsules the lru budget policy evicted to make room."""
@@ -376,6 +376,7 @@ class FlashRTNode(LifecycleNode):
 
     def _restore_callback(self, request, response):
         mode = request.mode or Restore.Request.MODE_FULL
+        self._control.barrier()  # after the interrupts that came first
         info = self._call('restore', request.name, '', response,
                           lambda: self._session.restore(request.name, mode))
         if info is None:
@@ -396,6 +397,7 @@ class FlashRTNode(LifecycleNode):
 
     def _rollback_callback(self, request, response):
         boundaries = max(1, int(request.boundaries))
+        self._control.barrier()
         info = self._call('rollback', '', 'device', response,
                           lambda: self._session.rollback(boundaries))
         if info is None:
@@ -461,20 +463,22 @@ class FlashRTNode(LifecycleNode):
 
     # ---- interrupt and reset topics --------------------------------------------------
 
-    def _interrupt_callback(self, msg, msg_info):
+    def _interrupt_callback(self, msg, received, callback_at):
         self._apply_interrupt('interrupt', msg.mode, max(1, msg.boundaries), msg.capsule,
-                              msg.reason, received_time(msg_info))
+                              msg.reason, received, callback_at)
 
-    def _reset_callback(self, msg, msg_info):
-        self._apply_interrupt('reset', InterruptMode.RESTORE, 1, '', 'reset',
-                              received_time(msg_info))
+    def _reset_callback(self, msg, received, callback_at):
+        self._apply_interrupt('reset', InterruptMode.RESTORE, 1, '', 'reset', received,
+                              callback_at)
 
-    def _apply_interrupt(self, operation, mode, boundaries, capsule, reason, received):
+    def _apply_interrupt(self, operation, mode, boundaries, capsule, reason, received,
+                         callback_at):
         session = self._session
         if session is None or not session.active:
             self.get_logger().warning(f'{operation} ignored: {self.not_active_message()}')
             return
-        session.interrupts.apply(operation, mode, boundaries, capsule, reason, received)
+        session.interrupts.apply(operation, mode, boundaries, capsule, reason, received,
+                                 callback_at)
 
     def _interrupt_qos_mismatch(self, event):
         policy = qos_policy_name_from_kind(event.last_policy_kind)
@@ -607,6 +611,7 @@ class FlashRTNode(LifecycleNode):
         return not refusal
 
     def _goal_callback(self, goal_request):
+        self._control.barrier()
         return GoalResponse.ACCEPT if self._reserve(self._session, 'goal') else GoalResponse.REJECT
 
     def _handle_accepted_callback(self, goal_handle):
@@ -652,6 +657,7 @@ class FlashRTNode(LifecycleNode):
         return messages.result_msg(turn.result)
 
     def _prompt_callback(self, msg):
+        self._control.barrier()  # an interrupt sent before the prompt applies first
         session = self._session
         if self._reserve(session, 'prompt'):
             session.turns.enqueue(Turn(TurnRequest(prompt=msg.data)))
@@ -667,7 +673,7 @@ class FlashRTNode(LifecycleNode):
     def _diagnostics_callback(self):
         status = messages.diagnostic_status(
             f'{self.get_fully_qualified_name()}: capsule runtime', self.state_label(),
-            self._session, self._stage)
+            self._session, self._stage, self.interrupt_stages.values())
         array = DiagnosticArray(status=[status])
         array.header.stamp = self.get_clock().now().to_msg()
         self._diag_pub.publish(array)

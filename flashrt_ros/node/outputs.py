@@ -17,9 +17,9 @@ class RosOutputs(Outputs):
         self._throttled = {}  # (file, line) of a throttled log call -> when it last logged
 
     def event(self, operation, name, tier, size_bytes, latency_ms, success, message,
-              stamp=None):
+              stamp=None, stages=()):
         self._node.publish_event(operation, name, tier, size_bytes, latency_ms, success,
-                                 message, stamp)
+                                 message, stamp, stages)
 
     def evictions(self):
         self._node.publish_evictions()

@@ -12,6 +12,7 @@ from flashrt_ros.session.turns import GOAL_POLICIES
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
 from rcl_interfaces.msg import ParameterType, SetParametersResult
 
+from .control import CONTROL_EXECUTORS
 from .messages import TRAJECTORY_FIELDS
 
 # Parameters that build the Runtime; a change takes effect at the next configure.
@@ -19,7 +20,7 @@ RUNTIME_PARAMS = tuple(f.name for f in dataclasses.fields(RuntimeConfig))
 # Set at start-up only: a peer on the DDS domain must not point the node at another model
 # or directory, change what it may hold, or unprotect the home capsule.
 READ_ONLY = ('model', 'device', 'capsule_dir', 'device_budget_bytes', 'host_budget_bytes',
-             'disk_budget_bytes', 'home_capsule', 'protect_home')
+             'disk_budget_bytes', 'home_capsule', 'protect_home', 'control_executor')
 # Each node keeps its disk capsules apart: {node} is its fully qualified name.
 DEFAULT_CAPSULE_DIR = '~/.cache/flashrt_ros/capsules/{node}'
 _RUNTIME_DEFAULTS = RuntimeConfig()
@@ -145,6 +146,11 @@ PARAMETERS = (
           integer=(1, 4096)),
     Param('stop_strings', [], 'Stop strings used when a goal gives none (and for ~/prompt).',
           string_array=True),
+    Param('control_executor', 'single',
+          'What takes ~/interrupt and ~/reset. single: an executor of their own on a thread of '
+          "its own (the control path); events: the same with rclpy's EventsExecutor; shared: "
+          "the node's own executor, beside services and inputs (slower; for comparisons).",
+          choices=CONTROL_EXECUTORS),
     Param('interrupt_timeout', 5.0,
           'Seconds ~/interrupt, ~/reset and deactivate wait for the generation to reach a step '
           'boundary.', floating=(0.01, 600.0)),

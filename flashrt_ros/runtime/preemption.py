@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
+import time
 
 import torch
 
@@ -54,8 +55,9 @@ class Preemption:
     policy's act() is not abandoned: the preemption waits for it (one control step).
     """
 
-    def __init__(self, rt, run):
+    def __init__(self, rt, run, stages=None):
         self.run = run  # run(from_newest: bool) -> CapsuleInfo, with the step lock held
+        self.stages = {} if stages is None else stages  # stage -> time.perf_counter()
         self.done = False
         self.result: CapsuleInfo | None = None
         self.error: BaseException | None = None
@@ -69,21 +71,27 @@ class Preemption:
             _arm(1)
 
 
-def preempt_with(rt, run) -> CapsuleInfo:
+def preempt_with(rt, run, stages: dict | None = None) -> CapsuleInfo:
     """
     Run run(from_newest) with the step lock held, ending a running generation first.
 
     run must check first that the runtime is still open (close() may run while this waits).
+    stages, when given, gets time.perf_counter() at 'armed' (the request visible to the
+    step), 'step_left' (the state is this request's) and 'copied' (run returned).
     """
     with rt._preemption_lock:
-        request = Preemption(rt, run)  # armed first: see Preemption
+        request = Preemption(rt, run, stages)  # armed first: see Preemption
         try:
             rt._preemption = request
+            request.stages['armed'] = time.perf_counter()
             with rt._lock:
                 rt._preemption = None
                 if not request.done:  # no step was running: a boundary or idle
+                    request.stages['step_left'] = time.perf_counter()
                     gen = rt._turn
-                    return run(gen is not None and end_turn(gen, torn=False))
+                    result = run(gen is not None and end_turn(gen, torn=False))
+                    request.stages['copied'] = time.perf_counter()
+                    return result
         finally:
             rt._preemption = None
             if request.hook is not None:
@@ -103,9 +111,11 @@ def serve(rt, gen, torn: bool) -> None:
     the last committed boundary is put back instead.
     """
     request = rt._preemption
+    request.stages['step_left'] = time.perf_counter()
     from_newest = end_turn(gen, torn)
     try:
         request.result = request.run(from_newest)
+        request.stages['copied'] = time.perf_counter()
     except Exception as exc:
         request.error = exc
         if torn:

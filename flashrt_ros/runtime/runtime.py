@@ -49,7 +49,7 @@ from .models.speech import is_speech_model, KyutaiSTTAdapter, load_speech, Speec
 from .policy_mode import ActionChunk, control_step
 from .preemption import preempt_with, Preemption
 from .speculation import attach, Speculator
-from .speech_mode import check_audio, feed_samples, read_delayed, TranscriptEvent, warm_speech
+from .speech_mode import check_audio, FedAudio, feed_samples, read_delayed, warm_speech
 from .state.arena import dtype_from_name, dtype_name, StateArena
 from .state.capsule import BOUNDARY_NAME, Capsule, CapsuleInfo, Origin, validate_name
 from .state.capsule import validate_tier
@@ -485,7 +485,8 @@ class Runtime:
         self._require_mode(policy=False, speech=True)
         return check_audio(self.adapter, samples, sample_rate)
 
-    def feed_audio(self, samples, sample_rate: int | None = None) -> list[TranscriptEvent]:
+    def feed_audio(self, samples, sample_rate: int | None = None,
+                   should_stop: Callable[[], bool] | None = None) -> FedAudio:
         """
         Feed int16 or float32 mono samples of any length; return the completed frames' tokens.
 
@@ -495,24 +496,25 @@ class Runtime:
         Bad input (rate, shape, type, NaN) or a full utterance
         raises InvalidRequestError before the state is touched; a frame that fails in the
         model puts the state back at the last completed frame (a reset with rollback_depth
-        0) and raises.
+        0) and raises. should_stop() is asked before each frame: True ends the call there
+        (the result's `cut`), the rest of the samples untaken.
         """
         audio = self.check_audio(samples, sample_rate)
         t0 = time.perf_counter()
         with self._lock:
             self._check_idle()
-            events = feed_samples(self, audio, sample_rate)
+            events = feed_samples(self, audio, sample_rate, should_stop)
             if events:
                 self._control_step_s = (time.perf_counter() - t0) / len(
                     {e.frame for e in events})
             return events
 
-    def flush(self) -> list[TranscriptEvent]:
+    def flush(self, should_stop: Callable[[], bool] | None = None) -> FedAudio:
         """Return the tokens the text delay still holds back; the live state is unchanged."""
         self._require_mode(policy=False, speech=True)
         with self._lock:
             self._check_idle()
-            return read_delayed(self)
+            return read_delayed(self, should_stop)
 
     # ---- capsules ---------------------------------------------------------------------
 
@@ -532,14 +534,16 @@ class Runtime:
         stored = self.store.put(cap)
         return stored.info(time.perf_counter() - t0)
 
-    def restore(self, name: str, mode: str = 'full', preempt: bool = False) -> CapsuleInfo:
+    def restore(self, name: str, mode: str = 'full', preempt: bool = False,
+                stages: dict | None = None) -> CapsuleInfo:
         """
         Make capsule `name` the live state, all-or-nothing.
 
         mode 'kv_only' is the ablation: it restores everything except the recurrent and
         conv state. preempt=True ends a running generation in the middle of its step instead
         of raising BusyError (preemption.py); the capsule is fetched and checked before
-        anything is stopped, so a bad one leaves the generation running.
+        anything is stopped, so a bad one leaves the generation running. stages: see
+        preemption.preempt_with (filled only with preempt=True).
         """
         t0 = self._clock()
         if mode not in RESTORE_MODES:
@@ -562,7 +566,8 @@ class Runtime:
             self._check_open()  # close() ran meanwhile: say that, not what it took away
             raise
         if preempt:
-            return preempt_with(self, lambda _: self._restore_checked(cap, meta, mode, t0))
+            return preempt_with(self, lambda _: self._restore_checked(cap, meta, mode, t0),
+                                stages)
         with self._lock:
             self._check_idle()
             return self._restore_checked(cap, meta, mode, t0)
@@ -647,7 +652,8 @@ class Runtime:
             torch.cuda.synchronize(self.device)  # the info's latency covers the copy
         return stored.info(time.perf_counter() - t0)
 
-    def rollback(self, boundaries: int = 1, preempt: bool = False) -> CapsuleInfo:
+    def rollback(self, boundaries: int = 1, preempt: bool = False,
+                 stages: dict | None = None) -> CapsuleInfo:
         """
         Return to the committed boundary `boundaries` back on the ring; drop newer ones.
 
@@ -662,7 +668,8 @@ class Runtime:
         if preempt:
             self._check_rollback(boundaries)  # the ring only grows until the lock is ours
             return preempt_with(
-                self, lambda from_newest: self._rollback_locked(boundaries, t0, from_newest))
+                self, lambda from_newest: self._rollback_locked(boundaries, t0, from_newest),
+                stages)
         with self._lock:
             self._check_idle()
             return self._rollback_locked(boundaries, t0, from_newest=False)

@@ -13,6 +13,10 @@ pending token is the text token the next frame's step is fed.
 
 Decoding is greedy (Kyutai STT's own use). flush() reads the words still held back by the
 text delay: it feeds that much silence to a copy of the state and puts the live one back.
+
+A feed or a flush asks should_stop() before each frame it begins (so after each commit):
+when it says stop, nothing more of the call's samples is taken in, not even into the
+partial frame, so a cut feed leaves the state at the last frame it committed.
 """
 
 from __future__ import annotations
@@ -36,6 +40,13 @@ class TranscriptEvent:
     text: str  # '' for the pad token (a frame with no new text)
     is_pad: bool
     position: int  # the decoder position after the step
+
+
+class FedAudio(list):
+    """The events of the frames a feed or flush ran; whether should_stop cut it short."""
+
+    cut = False
+    dropped_samples = 0  # samples of the call not taken in (at the rate they were sent)
 
 
 def check_audio(adapter, samples, sample_rate: int | None = None) -> torch.Tensor:
@@ -73,7 +84,7 @@ def frames_needed(rt, samples: int) -> int:
 
 
 def feed_samples(rt, audio: torch.Tensor, sample_rate: int | None = None,
-                 commit: bool = True) -> list[TranscriptEvent]:
+                 should_stop=None) -> FedAudio:
     """Fold checked samples [N] into the state (lock held; see Runtime.feed_audio)."""
     adapter, cursor = rt.adapter, rt.cursor
     rate = stated_rate(adapter, sample_rate)
@@ -84,23 +95,27 @@ def feed_samples(rt, audio: torch.Tensor, sample_rate: int | None = None,
             f'utterance is full: position {cursor.position} + {steps} frames > max_seq_len '
             f'{rt.config.max_seq_len}; reset() or restore a capsule first, or raise '
             'max_seq_len')
-    return _feed_frames(rt, audio.to(rt.device), rate, commit)
+    return _feed_frames(rt, audio.to(rt.device), rate, True, should_stop)
 
 
-def _feed_frames(rt, audio: torch.Tensor, rate: int | None,
-                 commit: bool) -> list[TranscriptEvent]:
+def _feed_frames(rt, audio: torch.Tensor, rate: int | None, commit: bool,
+                 should_stop=None) -> FedAudio:
     """
     Fill the partial frame from samples [N] at `rate`; run and commit each frame completed.
 
     The resampler takes only the input that completes the frame, so every boundary is the
     state right after the sample that completed its frame, however the audio was chunked.
     rate None: model-rate samples that bypass the resampler (silence fed by flush, warmup).
+    should_stop() is asked before each frame is begun; True leaves the rest untaken.
     """
     adapter, resampler = rt.adapter, rt.adapter.resampler
-    events: list[TranscriptEvent] = []
+    events = FedAudio()
     frame_size, partial = adapter.spec.frame_size, adapter.partial
     done = 0
     while done < audio.numel():
+        if should_stop is not None and should_stop():
+            events.cut, events.dropped_samples = True, audio.numel() - done
+            break
         need = frame_size - adapter.samples
         take = min(audio.numel() - done, need if rate is None else resampler.needed(need, rate))
         chunk = audio[done:done + take]
@@ -144,24 +159,27 @@ def _emit(rt, logits: torch.Tensor, fed: int, frame: int) -> TranscriptEvent:
                            cursor.position)
 
 
-def read_delayed(rt) -> list[TranscriptEvent]:
+def read_delayed(rt, should_stop=None) -> FedAudio:
     """Read the delayed words: feed text-delay silence to a copy; live state unchanged."""
     adapter, spec = rt.adapter, rt.adapter.spec
     saved = rt.codec.capture('flush', 'device')
     try:
-        events = []
+        events = FedAudio()
         resampler = adapter.resampler
         if resampler.rate and resampler.rate != spec.sample_rate:
             # the resampler's lookahead: silence at the input rate brings out its last samples
             tail = torch.zeros(2 * resampler.size, device=rt.device)
             if rt.cursor.position + frames_needed(
                     rt, resampler.count(tail.numel(), resampler.rate)) < rt.config.max_seq_len:
-                events += _feed_frames(rt, tail, resampler.rate, False)
+                events += _feed_frames(rt, tail, resampler.rate, False, should_stop)
         frames = math.ceil(spec.text_delay_s * spec.sample_rate / spec.frame_size)
         silence = frames * spec.frame_size + (spec.frame_size - adapter.samples) % spec.frame_size
         silence = min(silence, (rt.config.max_seq_len - rt.cursor.position - 1) * spec.frame_size)
         silence = torch.zeros(max(silence, 0), device=rt.device)
-        return events + _feed_frames(rt, silence, None, False)
+        rest = _feed_frames(rt, silence, None, False, should_stop)
+        events += rest
+        events.cut = rest.cut or (should_stop is not None and should_stop())
+        return events
     finally:
         rt.codec.apply(saved)
 

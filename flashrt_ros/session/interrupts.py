@@ -6,6 +6,9 @@ and RESTORE replace the state anyway, so they abandon the step in flight at its 
 call (the runtime's preempt) instead of waiting for it. Either way the event is published
 only once the interrupted turn is over, so a client that chains a restore or a goal on it
 does not find the node busy; its latency and stamp are those of the restore itself.
+
+Each interrupt's event carries where its time went, stage by stage after the middleware's
+receipt (STAGES, then 'published', which the node adds when the event goes out).
 """
 
 import enum
@@ -23,6 +26,11 @@ class InterruptMode(enum.IntEnum):
     RESTORE = 3
 
 
+# The e-stop path's stages, in order: the callback started; the session's checks done (the
+# mode quiet, the turn marked); the runtime's preemption armed; the step in flight left (or
+# the lock taken where none ran); the capsule's bytes copied; the state restored, as reported.
+STAGES = ('callback', 'checked', 'armed', 'step_left', 'copied', 'restored')
+
 # interrupt_policy parameter value -> the mode it stands for
 POLICY_MODES = {'stop': InterruptMode.STOP, 'rollback': InterruptMode.ROLLBACK,
                 'restore_home': InterruptMode.RESTORE}
@@ -38,33 +46,36 @@ class Interrupts:
         self._param = param
         self._out = outputs
 
-    def apply(self, operation, mode, boundaries, capsule, reason, received):
+    def apply(self, operation, mode, boundaries, capsule, reason, received, callback_at=None):
         """
         Stop the running turn, then stop/roll back/restore; publish the event.
 
         operation: 'interrupt' or 'reset'; received: wall time the request arrived (the
-        event's latency counts from it).
+        event's latency counts from it); callback_at: wall time its callback started.
         """
+        stages = {'callback': callback_at or time.time()}
         if mode == InterruptMode.POLICY:
             mode = POLICY_MODES[self._param('interrupt_policy')]
         capsule = capsule or self._param('home_capsule')
         with self._mode.quiet():  # no input taken in until the state is where it goes
             self._mode.forget_inputs(received)
             name, tier, nbytes, success, message, replaced_at = self._stop_and_replace(
-                operation, mode, boundaries, capsule)
+                operation, mode, boundaries, capsule, stages)
         wall, stamp = replaced_at or (time.time(), None)
+        stages['restored'] = wall
         if reason:
             message += f' (reason: {reason})'
         name = name or (capsule if mode == InterruptMode.RESTORE else '')  # STOP names none
         self._out.event(operation, name, tier, nbytes, (wall - received) * 1e3, success,
-                        message, stamp)
+                        message, stamp, stages=_after(received, stages))
 
-    def _stop_and_replace(self, operation, mode, boundaries, capsule):
+    def _stop_and_replace(self, operation, mode, boundaries, capsule, stages):
         """Stop, then roll back or restore; return (name, tier, bytes, ok, message, at)."""
         name, tier, nbytes, success = '', '', 0, True
         replaced_at = None
         try:
             if mode == InterruptMode.STOP:
+                stages['checked'] = time.time()
                 with self._turns.stopped() as stopped:
                     if not stopped:
                         raise FlashRTError('the generation did not reach a step boundary '
@@ -73,7 +84,7 @@ class Interrupts:
                     message = f'stopped at position {self._rt.position}'
             elif mode in (InterruptMode.ROLLBACK, InterruptMode.RESTORE):
                 info, message, replaced_at = self._replace_state(operation, mode, boundaries,
-                                                                 capsule)
+                                                                 capsule, stages)
                 name, tier, nbytes = info.name, info.tier, info.nbytes
             else:
                 raise FlashRTError(f'interrupt mode {mode} is not valid; use 0 (POLICY), '
@@ -87,7 +98,7 @@ class Interrupts:
             self._out.log('warning', message)
         return name, tier, nbytes, success, message, replaced_at
 
-    def _replace_state(self, operation, mode, boundaries, capsule):
+    def _replace_state(self, operation, mode, boundaries, capsule, stages):
         """
         Roll back or restore now, ending a running turn mid-step; return (info, message, at).
 
@@ -102,18 +113,23 @@ class Interrupts:
             if turn is not None:
                 with self._turns.replace_lock:  # after its start_from or save_as, if begun
                     turn.replaced_by = f'{who} {what}'
+            runtime_stages = {}
+            stages['checked'] = time.time()
             try:
                 if mode == InterruptMode.ROLLBACK:
-                    info = self._rt.rollback(boundaries, preempt=True)
+                    info = self._rt.rollback(boundaries, preempt=True, stages=runtime_stages)
                     message = f'stopped and rolled back {boundaries} to position {info.position}'
                 else:
-                    info = self._rt.restore(capsule, preempt=True)
+                    info = self._rt.restore(capsule, preempt=True, stages=runtime_stages)
                     message = f'stopped and restored {capsule!r} at position {info.position}'
             except Exception:
                 if turn is not None:
                     turn.replaced_by = ''  # refused (checked before anything stopped)
                 raise
             at = time.time(), self._out.now()
+            offset = time.time() - time.perf_counter()  # the runtime's stamps: perf_counter()
+            stages.update((k, v + offset) for k, v in runtime_stages.items()
+                          if isinstance(v, float))
             if turn is not None and not turn.done.wait(self._param('interrupt_timeout')):
                 message += '; the interrupted turn did not end within interrupt_timeout'
         return info, message, at
@@ -147,3 +163,8 @@ class Interrupts:
         self._out.event('interrupt', name, tier, nbytes, (time.perf_counter() - t0) * 1e3,
                         success, message + ' (reason: goal cancelled)')
         return message
+
+
+def _after(received, stages):
+    """Return [('received', wall time), (stage, wall time), ...] in STAGES order."""
+    return [('received', received)] + [(k, stages[k]) for k in STAGES if k in stages]

@@ -5,8 +5,13 @@ class Outputs:
     """The session's side effects; every method may be called from any session thread."""
 
     def event(self, operation, name, tier, size_bytes, latency_ms, success, message,
-              stamp=None):
-        """Report a capsule operation (stamp: now() of when it happened, default now)."""
+              stamp=None, stages=()):
+        """
+        Report a capsule operation (stamp: now() of when it happened, default now).
+
+        stages: an interrupt's [('received', wall time), (stage, wall time), ...], the
+        stages of interrupts.STAGES it went through.
+        """
 
     def evictions(self):
         """Report the capsules the lru budget policy evicted since the last call."""

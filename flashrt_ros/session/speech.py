@@ -10,9 +10,12 @@ rollback the stream starts over: the next chunk's index is taken as it comes.
 
 `_gate` makes feeding a chunk one step against an interrupt's forget-replace (quiet()) and
 against forget_inputs, which run on other threads: audio sent before an interrupt is not
-fed into the state the interrupt put in place. docs/semantics.md has the barge-in recipes.
+fed into the state the interrupt put in place. An interrupt does not wait for a long chunk:
+quiet() asks the chunk being fed to stop at its next frame (the rest is dropped and said so
+on ~/events), so it waits at most one frame. docs/semantics.md has the barge-in recipes.
 """
 
+import contextlib
 import threading
 import time
 
@@ -31,6 +34,7 @@ class SpeechMode(Mode):
     def __init__(self, runtime, param, outputs):
         super().__init__(runtime, param, outputs)
         self._gate = threading.RLock()  # guards the fields below and feeding a chunk
+        self._cut = threading.Event()   # set while an interrupt waits for the gate
         self._next_sample = None        # expected first_sample of the next chunk (None: any)
         self._interrupted_at = 0.0      # wall time before which audio is stale
         self.utterance = 0              # counts episodes (the chunks' turn_id)
@@ -62,7 +66,7 @@ class SpeechMode(Mode):
                     f'{expected}, or reset')
                 return []
             try:
-                events = self.runtime.feed_audio(samples, sample_rate)
+                events = self.runtime.feed_audio(samples, sample_rate, self._cut.is_set)
             except FlashRTError as exc:  # bad audio or a full utterance: refused untouched
                 self.reject_audio(str(exc))
                 return []
@@ -74,12 +78,21 @@ class SpeechMode(Mode):
             if first_sample >= 0:
                 self._next_sample = first_sample + len(samples)
             self._publish(events, final=False)
+            if events.cut:
+                self._out.event('audio', '', '', 0, 0.0, False,
+                                f'audio chunk cut by an interrupt at frame boundary '
+                                f'{self.runtime.position}: its last {events.dropped_samples} '
+                                'samples were dropped')
             return events
 
     def flush(self):
         """Publish the words the text delay holds back (final chunk); state unchanged."""
         with self._gate:
-            events = self.runtime.flush()
+            events = self.runtime.flush(self._cut.is_set)
+            if events.cut:  # the episode it would have ended is over: nothing to finalise
+                self._out.event('flush', '', '', 0, 0.0, False,
+                                'flush cut by an interrupt: no final transcript chunk')
+                return []
             self._publish(events, final=True)
             return events
 
@@ -102,8 +115,15 @@ class SpeechMode(Mode):
             self._next_sample = None
             self.utterance += 1
 
+    @contextlib.contextmanager
     def quiet(self):
-        return self._gate
+        self._cut.set()  # a chunk being fed stops at its next frame and lets go of the gate
+        try:
+            with self._gate:
+                self._cut.clear()
+                yield
+        finally:
+            self._cut.clear()
 
     def diagnostics(self, stats):
         return {'frame_step_ms': f'{(stats.control_step_s or 0.0) * 1e3:.3f}'}

@@ -160,6 +160,28 @@ def test_flush_reads_the_delayed_words_and_leaves_the_live_state(stt):
     assert len(flushed) == 4
 
 
+def test_should_stop_cuts_a_feed_at_a_frame_boundary_exactly(stt, make_runtime):
+    rt = stt
+    audio = _audio(1.0, seed=11)  # 12.5 frames
+    asked = []
+
+    def stop_after_three():
+        asked.append(rt.position)
+        return len(asked) > 3
+
+    events = rt.feed_audio(audio[:FRAME // 2], should_stop=lambda: False)  # a partial frame
+    events = rt.feed_audio(audio[FRAME // 2:], should_stop=stop_after_three)
+    assert events.cut and len({e.frame for e in events}) == 3
+    assert events.dropped_samples == len(audio) - FRAME // 2 - (3 * FRAME - FRAME // 2)
+    reference = make_runtime(STT, max_seq_len=512, rollback_depth=8)
+    assert not reference.feed_audio(audio[:3 * FRAME]).cut
+    assert rt.state_digest() == reference.state_digest()  # nothing of the rest taken in
+    # A flush cut short leaves the live state as it was, as a whole one does.
+    digest = rt.state_digest()
+    assert rt.flush(should_stop=lambda: True).cut and rt.state_digest() == digest
+    assert not rt.flush().cut and rt.state_digest() == digest
+
+
 def test_codebooks_are_seeded_and_diverse():
     model, _ = build_tiny_stt('tiny-stt')
     audio = torch.from_numpy(_audio(2.0, seed=7)).view(1, 1, -1)

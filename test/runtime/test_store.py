@@ -421,6 +421,53 @@ def test_a_capsule_deleted_during_a_disk_write_is_not_evicted_again(make_runtime
     assert {i.name for i in rt.list_capsules()} == {'b', 'c'}
 
 
+def test_reading_or_scanning_disk_capsules_holds_up_no_other_capsule_operation(
+        make_runtime, monkeypatch):
+    rt = make_runtime(eviction='lru')
+    rt.prefill(PROMPT)
+    rt.snapshot('on_disk', tier='disk')
+    rt.snapshot('home')
+    home = rt.state_digest()
+    rt.prefill(' and more')
+    reading, go_on = threading.Event(), threading.Event()
+    read, load_entry = disk.read, disk._load_entry
+
+    def held_read(name, *args, **kwargs):
+        if name == 'on_disk':
+            reading.set()
+            assert go_on.wait(30.0)
+        return read(name, *args, **kwargs)
+
+    def held_header(name, *args):
+        if name == 'new_file':
+            reading.set()
+            assert go_on.wait(30.0)
+        return load_entry(name, *args)
+
+    monkeypatch.setattr(disk, 'read', held_read)
+    monkeypatch.setattr(disk, '_load_entry', held_header)
+    # verify() reads and hashes the whole file; a diagnostics tick (usage) scans the
+    # directory and reads a new file's header. Neither may hold the store's lock meanwhile.
+    shutil.copy(disk.path_of(rt.config.capsule_path, 'on_disk'),
+                disk.path_of(rt.config.capsule_path, 'new_file'))
+    for slow in (lambda: rt.verify_capsule('on_disk'), rt.stats):
+        reading.clear()
+        go_on.clear()
+        worker = threading.Thread(target=slow)
+        worker.start()
+        try:
+            assert reading.wait(10.0), 'the read never started'
+            _within(5.0, lambda: rt.snapshot('during', tier='host'))
+            _within(5.0, lambda: rt.restore('home'))
+            assert rt.state_digest() == home
+            _within(5.0, lambda: rt.delete_capsule('during'))
+            assert worker.is_alive(), 'the read was not held meanwhile'
+        finally:
+            go_on.set()
+            worker.join(30.0)
+    assert {i.name for i in rt.list_capsules()} == {'on_disk', 'new_file', 'home'}
+
+
 def test_file_parts_decode_like_encode(make_runtime):
     from flashrt_ros.runtime.state import disk
     rt = make_runtime()

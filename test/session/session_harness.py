@@ -51,12 +51,12 @@ class Recorder(Outputs):
             gate.wait_here()
 
     def event(self, operation, name, tier, size_bytes, latency_ms, success, message,
-              stamp=None):
+              stamp=None, stages=()):
         self._gate(f'event:{operation}')
         self.events.append({'operation': operation, 'name': name, 'tier': tier,
                             'size_bytes': size_bytes, 'latency_ms': latency_ms,
                             'success': success, 'message': message, 'stamp': stamp,
-                            'at': time.time()})
+                            'stages': list(stages), 'at': time.time()})
 
     def chunk(self, turn, index, ids, text, stop_reason, final=False):
         self.chunks.append({'turn': turn, 'index': index, 'ids': list(ids), 'text': text,

@@ -1,5 +1,6 @@
 """Speech mode: audio chunks in, transcript chunks out, gap checks and barge-in recipes."""
 
+import threading
 import time
 
 from flashrt_ros.session import InterruptMode
@@ -99,3 +100,26 @@ def test_audio_sent_before_an_interrupt_is_dropped(speech):
 def test_turns_are_refused_in_speech_mode(speech):
     session, _ = speech
     assert 'publish audio on ~/audio' in session.reserve_turn('goal')
+
+
+def test_an_interrupt_cuts_a_long_chunk_at_the_next_frame(speech):
+    session, out = speech
+    rt = session.runtime
+    _stream(session, _audio(3, seed=7))
+    session.snapshot('before')
+    before = rt.state_digest()
+    long_chunk = _audio(400, seed=8)  # 32 s of audio in one message
+    fed = []
+    feeding = threading.Thread(
+        target=lambda: fed.append(session.mode.audio(long_chunk, 24000, -1, time.time())))
+    feeding.start()
+    while rt.position < 10:  # some frames in
+        time.sleep(0.001)
+    session.interrupts.apply('interrupt', InterruptMode.RESTORE, 1, 'before', 'stop',
+                             time.time())
+    feeding.join(10.0)
+    assert not feeding.is_alive() and fed[0].cut and len(fed[0]) < 400
+    assert rt.state_digest() == before  # the restore came after the cut, not before it
+    cut = [e for e in out.events if e['operation'] == 'audio']
+    assert len(cut) == 1 and not cut[0]['success'] and 'dropped' in cut[0]['message']
+    assert out.events[-1]['operation'] == 'interrupt' and out.events[-1]['success']

@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 import stat
 import tempfile
+import threading
 import time
 from typing import NamedTuple
 
@@ -320,53 +321,63 @@ def _stat_key(st: os.stat_result) -> tuple:
     return (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
 
 
+class Listing(NamedTuple):
+    """One scan of capsule_dir."""
+
+    files: dict[str, Entry]  # every file with a capsule file name (foreign ones too)
+    temps: dict[str | None, int]  # temp files' bytes by the capsule they are written for
+
+
 class DiskIndex:
     """
     The files of capsule_dir, each header read once and again only when the file changes.
 
     scan() lists the directory and lstats each entry (cheap); a header is re-read only when
-    a file's stat identity (inode, size, mtime, ctime, mode) changed.
+    a file's stat identity (inode, size, mtime, ctime, mode) changed. Safe to use from
+    several threads: its lock guards only the cache, never held while a file is touched
+    (an entry is used only while its stat identity matches, so a stale one is harmless).
     """
 
     def __init__(self, directory: Path):
         self.dir = directory
         self._entries: dict[str, Entry] = {}
-        self.temp_bytes = 0  # temp files of writes in progress or left by killed ones
-        # Names whose write the owner accounts for itself (a reservation): their temp files
-        # are left out of temp_bytes.
-        self.writing: set[str] = set()
+        self._lock = threading.Lock()
 
-    def scan(self) -> dict[str, Entry]:
-        """Return name -> Entry of every file with a capsule file name (foreign ones too)."""
-        entries, temp = {}, 0
+    def scan(self) -> Listing:
+        """List every file with a capsule file name (foreign ones too) and the temp files."""
+        with self._lock:
+            known = dict(self._entries)
+        entries, temps = {}, {}
         try:
             listing = os.scandir(self.dir)
         except OSError:  # no capsule directory (yet), or not one
-            self._entries, self.temp_bytes = entries, temp
-            return entries
-        with listing:
-            for item in listing:
-                fname = item.name
-                try:
-                    if fname.startswith('.'):
-                        if (fname.endswith('.tmp') and temp_owner(fname) not in self.writing
-                                and item.is_file(follow_symlinks=False)):
-                            temp += item.stat(follow_symlinks=False).st_size
+            listing = None
+        if listing is not None:
+            with listing:
+                for item in listing:
+                    fname = item.name
+                    try:
+                        if fname.startswith('.'):
+                            if fname.endswith('.tmp') and item.is_file(follow_symlinks=False):
+                                owner = temp_owner(fname)
+                                temps[owner] = (temps.get(owner, 0)
+                                                + item.stat(follow_symlinks=False).st_size)
+                            continue
+                        if not fname.endswith(SUFFIX):
+                            continue
+                        name = fname[:-len(SUFFIX)]
+                        old = known.get(name)  # a known name is a valid one
+                        if old is None:
+                            validate_name(name)
+                        st = item.stat(follow_symlinks=False)
+                    except (InvalidNameError, OSError):
                         continue
-                    if not fname.endswith(SUFFIX):
-                        continue
-                    name = fname[:-len(SUFFIX)]
-                    old = self._entries.get(name)  # a known name is a valid one
-                    if old is None:
-                        validate_name(name)
-                    st = item.stat(follow_symlinks=False)
-                except (InvalidNameError, OSError):
-                    continue
-                key = _stat_key(st)
-                entries[name] = (old if old is not None and old.key == key
-                                 else _load_entry(name, Path(item.path), st, key))
-        self._entries, self.temp_bytes = entries, temp
-        return entries
+                    key = _stat_key(st)
+                    entries[name] = (old if old is not None and old.key == key
+                                     else _load_entry(name, Path(item.path), st, key))
+        with self._lock:
+            self._entries = dict(entries)
+        return Listing(entries, temps)
 
     def entry(self, name: str) -> Entry | None:
         """Return the Entry of one name, refreshed from one lstat (None: no such file)."""
@@ -374,13 +385,24 @@ class DiskIndex:
         try:
             st = os.lstat(path)
         except OSError:  # every memory snapshot comes here: one syscall, no Path object
-            self._entries.pop(name, None)
+            with self._lock:
+                self._entries.pop(name, None)
             return None
         key = _stat_key(st)
-        old = self._entries.get(name)
+        with self._lock:
+            old = self._entries.get(name)
         if old is None or old.key != key:
-            old = self._entries[name] = _load_entry(name, Path(path), st, key)
+            old = _load_entry(name, Path(path), st, key)
+            with self._lock:
+                self._entries[name] = old
         return old
+
+    def current(self, name: str, entry: Entry) -> bool:
+        """Whether `name`'s file is still the one `entry` describes (one lstat)."""
+        try:
+            return _stat_key(os.lstat(os.path.join(self.dir, name + SUFFIX))) == entry.key
+        except OSError:
+            return False
 
     def touch(self, name: str, path: Path) -> None:
         """Set the file's mtime (the LRU clock other processes see); never fails."""
@@ -389,9 +411,10 @@ class DiskIndex:
             st = os.lstat(path)
         except OSError:  # read-only file or directory: the in-memory clock is enough
             return
-        old = self._entries.get(name)
-        if old is not None and old.key[:3] == _stat_key(st)[:3]:  # the same file, only touched
-            self._entries[name] = old._replace(key=_stat_key(st), mtime=st.st_mtime)
+        with self._lock:
+            old = self._entries.get(name)
+            if old is not None and old.key[:3] == _stat_key(st)[:3]:  # the same file, touched
+                self._entries[name] = old._replace(key=_stat_key(st), mtime=st.st_mtime)
 
     def remove(self, name: str, what: str) -> None:
         """Delete capsule `name`'s file (the caller checked it is one of ours)."""
@@ -402,7 +425,8 @@ class DiskIndex:
             pass
         except OSError as exc:
             raise io_error(what, path, exc) from exc
-        self._entries.pop(name, None)
+        with self._lock:
+            self._entries.pop(name, None)
 
 
 def temp_owner(fname: str) -> str | None:

@@ -61,40 +61,81 @@ class CapsuleStore:
         self.dir = capsule_dir
         self.fingerprint, self.key = fingerprint, key
         self._mem: dict[str, Capsule] = {}  # device + host tiers
-        self._lock = threading.RLock()  # store bookkeeping; independent of the step lock
+        # Bookkeeping only, never held while a file is listed, read or hashed (_decide);
+        # independent of the step lock.
+        self._lock = threading.Lock()
         self._evicted: collections.deque[CapsuleInfo] = collections.deque(maxlen=256)
         self.index = disk.DiskIndex(capsule_dir)
         self._disk_used: dict[str, float] = {}  # the disk tier's LRU clock (unix s) of our uses
         self._writing: dict[str, int] = {}  # disk writes in progress: name -> reserved bytes
+        self._disk_changes = 0  # our changes to the directory and _writing (_decide)
         disk.sweep_stale_temps(self.dir)
 
     # ---- accounting ------------------------------------------------------------------
 
-    def _ours_on_disk(self) -> dict[str, disk.Entry]:
-        """Capsule files of ours (any model, readable or not); foreign files left out."""
-        return {n: e for n, e in self.index.scan().items() if e.kind != 'foreign'}
+    def _decide(self, decide, name: str | None = None, scan: bool = False, tier: str = ''):
+        """
+        Return decide(entry, listing), run under the lock from what was read outside it.
+
+        entry: `name`'s (None: no name or no file); listing: a scan of the directory when
+        `scan` or `tier` is the disk tier with a budget (else None). Both are read again
+        when one of this store's own disk changes (a reservation, a published or removed
+        file) came in between, or decide raised _Stale: decide sees what a read under the
+        lock would have found.
+        """
+        while True:
+            changes = self._disk_changes
+            entry = self.index.entry(name) if name is not None else None
+            listing = self.index.scan() if scan or self._needs_listing(tier) else None
+            with self._lock:
+                if self._disk_changes == changes:
+                    try:
+                        return decide(entry, listing)
+                    except _Stale:
+                        pass
+
+    def _needs_listing(self, tier: str) -> bool:
+        return tier == 'disk' and self.budgets.get('disk', 0) > 0
+
+    def _changed_disk(self) -> None:
+        """Count a change of ours to the directory or the reservations (lock held)."""
+        self._disk_changes += 1
+
+    def _temp_bytes(self, listing: disk.Listing, but: str = '') -> int:
+        """
+        Temp files on disk plus the bytes reserved by writes in progress (lock held).
+
+        A reserved write's temp files are counted as its reservation; `but`'s own write
+        is left out (it is the one being checked or published).
+        """
+        on_disk = sum(n for owner, n in listing.temps.items()
+                      if owner == but or owner not in self._writing)
+        return on_disk + sum(n for name, n in self._writing.items() if name != but)
 
     def usage(self) -> tuple[dict[str, tuple[int, int]], int]:
         """Return tier -> (capsules, bytes used) and the temp files' bytes, from one scan."""
-        with self._lock:
+        def tally(_, listing):
             out = {tier: (0, 0) for tier in self.budgets}
             for c in self._mem.values():
                 count, nbytes = out[c.tier]
                 out[c.tier] = (count + 1, nbytes + c.nbytes)
-            files = self._ours_on_disk()
-            temp = self.index.temp_bytes + sum(self._writing.values())
+            files = _ours(listing)
+            temp = self._temp_bytes(listing)
             out['disk'] = (len(files), sum(e.size for e in files.values()) + temp)
             return out, temp
+        return self._decide(tally, scan=True)
 
-    def _make_room(self, tier: str, nbytes: int, replacing: str) -> list[str]:
+    def _make_room(self, tier: str, nbytes: int, replacing: str,
+                   listing: disk.Listing | None) -> list[str]:
         """Names to evict so nbytes fit in tier (replacing `replacing`); raises if impossible."""
         budget = self.budgets.get(tier, 0)
         if budget <= 0:
             return []
         if tier == 'disk':
-            files = self._ours_on_disk()
-            extra = self.index.temp_bytes + sum(
-                n for name, n in self._writing.items() if name != replacing)
+            if listing is None:  # the budget was set since the caller looked
+                raise _Stale
+            files = _ours(listing)
+            extra = self._temp_bytes(listing, but=replacing)
             # Evictable: a readable unpinned capsule of this model, oldest use first (not
             # one a write in progress replaces).
             entries = [
@@ -141,11 +182,10 @@ class CapsuleStore:
 
     # ---- put / get / delete ----------------------------------------------------------
 
-    def _check_replace(self, name: str) -> disk.Entry | None:
-        """Return the disk file a snapshot `name` replaces; raise if it must not be replaced."""
-        entry = self.index.entry(name)
+    def _check_replace(self, name: str, entry: disk.Entry | None) -> None:
+        """Raise if the disk file `entry` of a snapshot `name` must not be replaced."""
         if entry is None:
-            return None
+            return
         if entry.kind == 'foreign':
             raise disk.not_a_capsule(name, disk.path_of(self.dir, name),
                                      disk.foreign_reason(entry))
@@ -155,7 +195,6 @@ class CapsuleStore:
                 f'(fingerprint {entry.fingerprint[:12] or "unknown"}, this runtime '
                 f'{self.fingerprint[:12]}); it is not replaced: delete it first or pick '
                 'another name')
-        return entry
 
     def _check_not_writing(self, name: str) -> None:
         if name in self._writing:
@@ -167,23 +206,25 @@ class CapsuleStore:
         """Store a memory capsule or write a disk one, replacing any of the same name."""
         if capsule.tier == 'disk':
             return self._write_disk(capsule)
-        with self._lock:
+
+        def store(replaced, _):
             self._check_not_writing(capsule.name)
-            replaced = self._check_replace(capsule.name)
-            victims = self._make_room(capsule.tier, capsule.nbytes, capsule.name)
+            self._check_replace(capsule.name, replaced)
+            victims = self._make_room(capsule.tier, capsule.nbytes, capsule.name, None)
             if replaced is not None:  # may fail (read-only): nothing changed yet
-                self.index.remove(capsule.name, f'replacing disk capsule {capsule.name!r}')
-                self._disk_used.pop(capsule.name, None)
+                self._remove(capsule.name, replaced, f'replacing disk capsule {capsule.name!r}')
             for victim in victims:
-                self._evict(victim, capsule.tier)
+                self._evicted.append(self._mem.pop(victim).info())
             self._mem[capsule.name] = capsule
             return capsule
+        return self._decide(store, name=capsule.name)
 
     def check_room(self, tier: str, nbytes: int, name: str) -> None:
         """Raise now if nbytes could not be put in tier as capsule `name` (nothing evicted)."""
-        with self._lock:
-            self._check_replace(name)
-            self._make_room(tier, nbytes, name)
+        def check(entry, listing):
+            self._check_replace(name, entry)
+            self._make_room(tier, nbytes, name, listing)
+        self._decide(check, name=name, tier=tier)
 
     def check_name(self, name: Any) -> None:
         """Raise InvalidNameError for a bad name (a dict lookup for a stored, valid one)."""
@@ -230,17 +271,19 @@ class CapsuleStore:
         if not header_only:
             with self._lock:
                 self._disk_used[name] = time.time()
-                self.index.touch(name, path)  # mtime: the clock other processes see
+            self.index.touch(name, path)  # mtime: the clock other processes see
         return cap
 
     def delete(self, name: str) -> CapsuleInfo:
         validate_name(name)
-        with self._lock:
+
+        def remove(entry, _):
             self._check_not_writing(name)
             cap = self._mem.pop(name, None)
             if cap is not None:
                 return cap.info()
-            return self._delete_disk(name, f'deleting capsule {name!r}')
+            return self._delete_disk(name, entry, f'deleting capsule {name!r}')
+        return self._decide(remove, name=name)
 
     def drain_evicted(self) -> list[CapsuleInfo]:
         """Capsules evicted by the lru policy since the last call (oldest first)."""
@@ -249,22 +292,22 @@ class CapsuleStore:
             self._evicted.clear()
             return out
 
-    def _evict(self, name: str, tier: str) -> None:
-        if tier == 'disk':
-            self._evicted.append(self._delete_disk(name, f'evicting capsule {name!r}'))
-        else:
-            self._evicted.append(self._mem.pop(name).info())
+    def _remove(self, name: str, entry: disk.Entry, what: str) -> None:
+        """Delete file `name` if it is still the one `entry` describes, else _Stale (lock held)."""
+        if not self.index.current(name, entry):  # one lstat: the decision was made on it
+            raise _Stale
+        self.index.remove(name, what)
+        self._disk_used.pop(name, None)
+        self._changed_disk()
 
-    def _delete_disk(self, name: str, what: str) -> CapsuleInfo:
-        """Remove capsule file `name` if it is one of ours; return what it was."""
-        entry = self.index.entry(name)
+    def _delete_disk(self, name: str, entry: disk.Entry | None, what: str) -> CapsuleInfo:
+        """Remove capsule file `name` (`entry`) if it is one of ours; return what it was."""
         if entry is None:
             raise not_found(name)
         if entry.kind == 'foreign':
             raise disk.not_a_capsule(name, disk.path_of(self.dir, name),
                                      disk.foreign_reason(entry))
-        self.index.remove(name, what)
-        self._disk_used.pop(name, None)
+        self._remove(name, entry, what)
         if entry.kind == 'capsule':
             return entry.head.info()
         # The error for an unreadable file tells the user to delete it, so deleting must not
@@ -284,9 +327,9 @@ class CapsuleStore:
         Disk files of ours that cannot be read are named in `unreadable`, files with a
         capsule file name that are not capsules (no capsule header, links) in `foreign`.
         """
-        with self._lock:
+        def collect(_, listing):
             infos = [c.info() for c in self._mem.values()]
-            for name, entry in self.index.scan().items():
+            for name, entry in listing.files.items():
                 if name in self._mem:
                     continue
                 if entry.kind == 'capsule':
@@ -296,23 +339,25 @@ class CapsuleStore:
                         unreadable.append(name)
                 elif foreign is not None:
                     foreign.append(name)
+            return infos
+        infos = self._decide(collect, scan=True)
         return sorted(
             (i for i in infos if tier is None or i.tier == tier), key=lambda i: (i.created, i.name)
         )
 
     def verify(self, name: str) -> CapsuleInfo:
         """Recompute the checksum (CorruptCapsuleError on mismatch); seal unsealed capsules."""
-        with self._lock:
-            cap = self.get(name)  # a disk capsule is verified while being read
-            if cap.tier != 'disk':
-                actual = disk.capsule_checksum(cap)
-                if cap.checksum and cap.checksum != actual:
-                    raise CorruptCapsuleError(
-                        f'capsule {name!r} changed since its checksum was taken; '
-                        'delete it and take a new snapshot'
-                    )
-                cap.checksum = actual
-            return cap.info()
+        # No lock: a capsule is never changed in place, and the read and the hash are long.
+        cap = self.get(name)  # a disk capsule is verified while being read
+        if cap.tier != 'disk':
+            actual = disk.capsule_checksum(cap)
+            if cap.checksum and cap.checksum != actual:
+                raise CorruptCapsuleError(
+                    f'capsule {name!r} changed since its checksum was taken; '
+                    'delete it and take a new snapshot'
+                )
+            cap.checksum = actual
+        return cap.info()
 
     # ---- disk ------------------------------------------------------------------------
 
@@ -321,21 +366,21 @@ class CapsuleStore:
         name = capsule.name
         data = disk.encode(capsule, self.key)
         disk.sweep_stale_temps(self.dir)  # what a killed write left counts against the budget
-        with self._lock:
+
+        def reserve(entry, listing):
             self._check_not_writing(name)
-            self._check_replace(name)
-            self._make_room('disk', len(data), name)  # may refuse: nothing changed
+            self._check_replace(name, entry)
+            self._make_room('disk', len(data), name, listing)  # may refuse: nothing changed
             self._writing[name] = len(data)
-            self.index.writing.add(name)
+            self._changed_disk()
+        self._decide(reserve, name=name, tier='disk')
         try:
             path = disk.write(self.dir, name, data)
         except BaseException:
             with self._lock:
                 self._release(name)
             raise
-        with self._lock:
-            self._release(name)
-            self._publish(name, len(data))  # only now does it replace a memory capsule
+        self._decide(lambda _, listing: self._publish(name, len(data), listing), tier='disk')
         disk.sync_dir(self.dir)
         return capsule.with_blob(
             name, 'disk', None, meta_json=capsule.meta_json, created=capsule.created,
@@ -345,17 +390,34 @@ class CapsuleStore:
     def _release(self, name: str) -> None:
         """End the reservation of a disk write (lock held)."""
         del self._writing[name]
-        self.index.writing.discard(name)
+        self._changed_disk()
 
-    def _publish(self, name: str, nbytes: int) -> None:
+    def _publish(self, name: str, nbytes: int, listing: disk.Listing | None) -> None:
         """Make a written file capsule `name` and evict what the budget needs (lock held)."""
-        self._mem.pop(name, None)
-        self._disk_used[name] = time.time()
         try:
-            victims = self._make_room('disk', nbytes, name)
+            victims = self._make_room('disk', nbytes, name, listing)
         except BudgetExceededError:
             # The directory changed during the write (another process, pinned capsules): the
             # file stays, as written; the next disk snapshot makes room or refuses.
             victims = []
+        files = listing.files if listing is not None else {}
+        if not all(self.index.current(v, files[v]) for v in victims):
+            raise _Stale  # before anything changed: decide again from a new listing
+        self._release(name)
+        self._mem.pop(name, None)  # only now does it replace a memory capsule
+        self._disk_used[name] = time.time()
         for victim in victims:
-            self._evict(victim, 'disk')
+            try:
+                self._evicted.append(self._delete_disk(victim, files[victim],
+                                                       f'evicting capsule {victim!r}'))
+            except _Stale:  # another process changed it since the check above: left alone
+                pass
+
+
+class _Stale(Exception):
+    """What a decision was made from changed before it was carried out: read it again."""
+
+
+def _ours(listing: disk.Listing) -> dict[str, disk.Entry]:
+    """Capsule files of ours (any model, readable or not); foreign files left out."""
+    return {n: e for n, e in listing.files.items() if e.kind != 'foreign'}

@@ -1,0 +1,148 @@
+"""
+The control path: ~/interrupt and ~/reset on an executor that serves nothing else.
+
+The node's own executor serves services, the generate action, observations, audio and the
+diagnostics timer on a pool of threads; an e-stop taken there waits for that pool's wait set
+and for a free worker. Here the two control topics belong to a small hidden node in the
+same process (no parameter services, no rosout) spun by an executor of its own on its own
+thread, so nothing else stands between a message's arrival and its callback.
+
+The hidden node subscribes to the names the main node resolves (its remappings and
+namespace applied) and ignores the process's command-line arguments, so a `__node:=`
+remapping does not give two nodes one name. `control_executor` picks the executor:
+'single' (a SingleThreadedExecutor), 'events' (rclpy's EventsExecutor, where installed) or
+'shared' (the topics on the node's own executor, in its `ordered` group: the configuration
+before this path existed, kept for side-by-side measurements).
+
+Order: interrupts and resets are applied in their arrival order, one at a time. A prompt,
+restore or rollback taken by the node's executor first lets the control path take every
+interrupt that had arrived by then (barrier()), so "interrupt, then prompt" stays in order.
+"""
+
+import functools
+import threading
+import time
+
+from flashrt_ros.msg import Interrupt
+from flashrt_ros.qos import COMMAND_QOS, INTERRUPT_QOS
+from flashrt_ros.spin import spin_until_shutdown
+from rclpy.executors import SingleThreadedExecutor
+from rclpy.node import Node
+from std_msgs.msg import Empty
+
+CONTROL_EXECUTORS = ('single', 'events', 'shared')
+BARRIER_TIMEOUT_S = 0.5
+
+
+def received_time(msg_info):
+    """Wall time the middleware received the message (falls back to now)."""
+    now = time.time()
+    received = ((msg_info or {}).get('received_timestamp') or 0) / 1e9
+    return received if now - 10.0 < received <= now + 0.001 else now
+
+
+def events_executor_class():
+    """Return rclpy's EventsExecutor, or None where this rclpy has none."""
+    try:
+        from rclpy.experimental import EventsExecutor
+    except ImportError:
+        return None
+    return EventsExecutor
+
+
+class ControlPath:
+    """The ~/interrupt and ~/reset subscriptions and the executor that takes them."""
+
+    def __init__(self, node, kind, on_interrupt, on_reset, event_callbacks, group=None):
+        """
+        Subscribe for `node`; on_interrupt(msg, received, callback_at) and on_reset(...).
+
+        kind: a CONTROL_EXECUTORS value; group: the node's callback group for 'shared'.
+        """
+        if kind not in CONTROL_EXECUTORS:
+            raise ValueError(f'control_executor {kind!r} is not valid; use one of '
+                             f'{", ".join(CONTROL_EXECUTORS)}')
+        self.kind = kind
+        self._node = node
+        self._on_interrupt, self._on_reset = on_interrupt, on_reset
+        self._executor = None
+        self._thread = None
+        self._barrier = None
+        self._barrier_lock = threading.Lock()
+        interrupt_topic = node.resolve_topic_name('~/interrupt')
+        reset_topic = node.resolve_topic_name('~/reset')
+        if kind == 'shared':
+            self.host = node
+            create = functools.partial(node.create_subscription, callback_group=group)
+        else:
+            self.host = Node(f'_{node.get_name()}_control', namespace=node.get_namespace(),
+                             context=node.context, use_global_arguments=False,
+                             start_parameter_services=False, enable_rosout=False)
+            create = self.host.create_subscription
+        self.topics = (interrupt_topic, reset_topic)
+        create(Interrupt, interrupt_topic, self._interrupt_callback, INTERRUPT_QOS,
+               event_callbacks=event_callbacks)
+        create(Empty, reset_topic, self._reset_callback, COMMAND_QOS)
+        if kind != 'shared':
+            # Woken by barrier(): runs after the subscriptions ready in the same wake-up.
+            self._wake = self.host.create_guard_condition(self._barrier_callback)
+
+    @property
+    def node_name(self):
+        """Return the fully qualified name of the node that holds the subscriptions."""
+        return self.host.get_fully_qualified_name()
+
+    def start(self, logger, stopping):
+        """Spin the control executor on a thread of its own (nothing to do for 'shared')."""
+        if self.kind == 'shared':
+            return
+        if self.kind == 'events':
+            cls = events_executor_class()
+            if cls is None:
+                raise RuntimeError("control_executor 'events' needs rclpy.experimental."
+                                   "EventsExecutor, which this rclpy lacks; use 'single'")
+            self._executor = cls(context=self._node.context)
+        else:
+            self._executor = SingleThreadedExecutor(context=self._node.context)
+        self._executor.add_node(self.host)
+        self._thread = threading.Thread(
+            target=spin_until_shutdown, args=(self._executor, logger, stopping),
+            name='flashrt-control', daemon=True)
+        self._thread.start()
+
+    def barrier(self, timeout=BARRIER_TIMEOUT_S):
+        """
+        Return once the interrupts and resets that had arrived by now are applied.
+
+        Called from the node's executor before a prompt, a restore or a rollback. Never from
+        the control thread itself.
+        """
+        if self.kind == 'shared' or self._thread is None:
+            return True
+        with self._barrier_lock:  # one at a time: a guard condition triggers once per wake
+            done = threading.Event()
+            self._barrier = done
+            self._wake.trigger()
+            return done.wait(timeout)
+
+    def _barrier_callback(self):
+        done = self._barrier
+        if done is not None:
+            done.set()
+
+    def _interrupt_callback(self, msg, msg_info=None):
+        callback_at = time.time()
+        self._on_interrupt(msg, received_time(msg_info), callback_at)
+
+    def _reset_callback(self, msg, msg_info=None):
+        callback_at = time.time()
+        self._on_reset(msg, received_time(msg_info), callback_at)
+
+    def stop(self):
+        """Stop the executor and its thread; destroy the hidden node."""
+        if self._executor is not None:
+            self._executor.shutdown(timeout_sec=2.0)
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+        if self.host is not self._node:
+            self.host.destroy_node()
