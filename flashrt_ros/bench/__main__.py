@@ -62,7 +62,7 @@ def parse_args(argv=None):
                    help='comma-separated figures to run (default all: %(default)s)')
     p.add_argument('--threads', type=int,
                    help='torch threads of this process (default: what torch picks)')
-    p.add_argument('--node-model', default='builtin:tiny-hybrid',
+    p.add_argument('--node-model', default='default',
                    help='model of the node process in fig5 (default %(default)s)')
     p.add_argument('--peer-python', default=os.environ.get(PEER_ENV),
                    help='Python of the llama.cpp environment (make bench-peer builds '
@@ -90,7 +90,7 @@ def make_plan(args, workdir):
         fast_repeats=6 * repeats, budget_s=args.budget_s or (20.0 if quick else 150.0),
         decode_steps=16 if quick else 32, decode_rounds=max(4, 4 * repeats),
         correctness_steps=64,
-        round_trips=50 if quick else 500, interrupts=20 if quick else 200,
+        round_trips=50 if quick else 500, interrupts=40 if quick else 2000,
         node_model=args.node_model, workdir=workdir, transfer_model=args.model,
         transfer_context=max(lengths) if args.lengths or quick else 8192)
     if args.smoke:

@@ -130,11 +130,11 @@ class ControlPath:
         if done is not None:
             done.set()
 
-    def _interrupt_callback(self, msg, msg_info=None):
+    def _interrupt_callback(self, msg, msg_info):  # two required arguments: rclpy passes the info
         callback_at = time.time()
         self._on_interrupt(msg, received_time(msg_info), callback_at)
 
-    def _reset_callback(self, msg, msg_info=None):
+    def _reset_callback(self, msg, msg_info):
         callback_at = time.time()
         self._on_reset(msg, received_time(msg_info), callback_at)
 

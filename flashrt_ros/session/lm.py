@@ -58,7 +58,7 @@ class LMMode(Mode):
         chunk_size = self._param('token_chunk')
         ids, pieces = [], []
         try:
-            if should_stop(turn):
+            if should_stop(turn) or turn.replaced_by:  # replaced before the slot was ours
                 gen.close()
             for event in gen:
                 ids.append(event.token_id)

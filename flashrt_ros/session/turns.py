@@ -139,6 +139,7 @@ class TurnScheduler:
         self._running = None            # the turn on the generation thread
         self._ending = None             # counted out, final chunk not yet out
         self._holds = 0                 # state operations that keep queued turns waiting
+        self._stops = 0                 # of those, the ones that also end the running turn
         self._reserved = 0              # admitted requests not yet counted out
         self._goals = {}                # goal key -> Turn, until its status is final
         self._early_cancels = set()     # goal keys cancelled before their turn existed
@@ -281,14 +282,29 @@ class TurnScheduler:
     def stopped(self):
         """Stop the running turn at its next step; yield whether it ended in time."""
         with self.held() as turn:
-            self._rt.interrupt()
-            # Ended means done, not just counted out: its final chunk is out (a deactivate
-            # must not disable ~/tokens before that) and its result is ready.
-            yield turn is None or turn.done.wait(self._param('interrupt_timeout'))
+            with self._cv:
+                self._stops += 1
+            try:
+                self._rt.interrupt()
+                # Ended means done, not just counted out: its final chunk is out (a
+                # deactivate must not disable ~/tokens before that) and its result is ready.
+                yield turn is None or turn.done.wait(self._param('interrupt_timeout'))
+            finally:
+                with self._cv:
+                    self._stops -= 1
 
     def should_stop(self, turn):
-        """Whether the running turn should end at this step boundary (cancel or a hold)."""
-        return turn.cancel_requested or self._holds > 0
+        """
+        Whether the running turn should end at this step boundary.
+
+        A cancel or a stop (stopped(): also a turn that had not begun its generation when
+        the runtime's interrupt came). Not a hold, nor an interrupt that replaces the state:
+        the runtime's preemption ends the turn inside its step, and a turn closed here would
+        first commit its end (a conversation turn's closing tokens, a forward) while the
+        interrupt waits. A mode checks `replaced_by` once its generation holds the writer
+        slot: a replace that came before that ends the turn there.
+        """
+        return turn.cancel_requested or self._stops > 0
 
     # ---- the generation thread -------------------------------------------------------
 

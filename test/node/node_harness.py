@@ -133,3 +133,19 @@ def node_in_process(name, params, prepare=None):
         spinner.join(timeout=2.0)
         node.destroy_node()
         rclpy.try_shutdown(context=context)
+
+
+def diagnostics(client):
+    """Return the key-values of the client's node in its next /diagnostics message."""
+    from diagnostic_msgs.msg import DiagnosticArray
+    seen = []
+    name = client.base.strip('/')
+    sub = client.node.create_subscription(
+        DiagnosticArray, '/diagnostics',
+        lambda msg: seen.extend({kv.key: kv.value for kv in s.values}
+                                for s in msg.status if name in s.name), 10)
+    try:
+        assert wait_until(lambda: seen, 20.0), 'no /diagnostics message from the node'
+    finally:
+        client.node.destroy_subscription(sub)
+    return seen[0]

@@ -2,7 +2,7 @@
 
 from flashrt_ros.node_process import NodeProcess
 from flashrt_ros.runtime.models.hf import DEFAULT_DIR
-from node_harness import start_client, wait_active, wait_until
+from node_harness import diagnostics, start_client, wait_active
 import pytest
 
 PARAMS = {'max_seq_len': 512, 'system_prompt': 'Return the absolute value of a number.\n'}
@@ -22,22 +22,6 @@ def nodes(tmp_path_factory):
         proc.stop()
 
 
-def _diagnostics(client):
-    """Return the key-values of the client's node in its next /diagnostics message."""
-    from diagnostic_msgs.msg import DiagnosticArray
-    seen = []
-    name = client.base.strip('/')
-    sub = client.node.create_subscription(
-        DiagnosticArray, '/diagnostics',
-        lambda msg: seen.extend({kv.key: kv.value for kv in s.values}
-                                for s in msg.status if name in s.name), 10)
-    try:
-        assert wait_until(lambda: seen, 20.0), 'no /diagnostics message from the node'
-    finally:
-        client.node.destroy_subscription(sub)
-    return seen[0]
-
-
 def _reply(proc):
     client = start_client(proc.name)
     try:
@@ -46,7 +30,7 @@ def _reply(proc):
         # words at the model's end-of-turn token).
         done = client.generate(PROMPT, raw=True, max_new_tokens=40, timeout=120.0)
         assert done.result.success, done.result.message
-        assert _diagnostics(client)['cpu_step'] == 'on'
+        assert diagnostics(client)['cpu_step'] == 'on'
         return list(done.token_ids), done.result.text
     finally:
         client.close()

@@ -5,7 +5,7 @@ import time
 
 from action_msgs.msg import GoalStatus
 from flashrt_ros.msg import Interrupt
-from node_harness import HOME, set_parameter, wait_until as _wait
+from node_harness import diagnostics, HOME, set_parameter, wait_until as _wait
 import pytest
 from rclpy.event_handler import PublisherEventCallbacks
 from rclpy.qos import QoSProfile, ReliabilityPolicy
@@ -144,6 +144,15 @@ def test_interrupt_restore_topic(client, at_home, events):
     assert 0.0 < event.latency_ms < 2000.0
     assert event.position == len('You are a helpful robot.')
     assert client.state_digest() == at_home
+    # Where its time went: each stage after the middleware's receipt (not after the
+    # callback: the control path takes the message's info), in order, ending at 'published'.
+    assert list(event.stage_names) == ['callback', 'checked', 'armed', 'step_left', 'copied',
+                                       'restored', 'published']
+    stages = dict(zip(event.stage_names, event.stage_ms))
+    assert 0.0 < stages['callback'] and list(event.stage_ms) == sorted(event.stage_ms)
+    assert abs(stages['restored'] - event.latency_ms) < 1e-6
+    values = diagnostics(client)
+    assert 'interrupt_restored_ms' in values and int(values['interrupts_timed']) >= 1
 
 
 def test_interrupt_stop_keeps_the_boundary(client, at_home, events):
