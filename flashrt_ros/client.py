@@ -471,11 +471,18 @@ class FlashRTClient:
                                              STREAM_QOS,
                                              callback_group=MutuallyExclusiveCallbackGroup())
 
-    def wait_for_subscribers(self, timeout=5.0):
-        """Wait until the node subscribes to its command and observation topics."""
+    def wait_for_subscribers(self, timeout=5.0, inputs=''):
+        """
+        Wait until the node subscribes to its command topics and to `inputs`.
+
+        inputs: '' (an LM node takes no input topics), 'observation' (a policy node's
+        ~/observation and ~/observation_vector) or 'audio' (a speech node's ~/audio). A
+        node subscribes to its mode's inputs only once configured.
+        """
         deadline = time.monotonic() + timeout
-        pubs = (self._interrupt_pub, self._reset_pub, self._prompt_pub, self._joint_state_pub,
-                self._vector_pub, self._audio_pub)
+        pubs = (self._interrupt_pub, self._reset_pub, self._prompt_pub) + {
+            '': (), 'observation': (self._joint_state_pub, self._vector_pub),
+            'audio': (self._audio_pub,)}[inputs]
         while time.monotonic() < deadline:
             if all(p.get_subscription_count() > 0 for p in pubs):
                 return True

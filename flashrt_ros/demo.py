@@ -61,7 +61,9 @@ def _start(workdir, params, report, label):
         code = node.stop()
         tail = node.log()[-3000:]
         raise RuntimeError(f'the node did not become active (exit code {code}); log:\n{tail}')
-    client.wait_for_subscribers(10.0)
+    # The mode's inputs too: a policy node's observations, a speech node's audio.
+    client.wait_for_subscribers(10.0, {'policy': 'observation', 'speech': 'audio'}.get(
+        params.get('mode'), ''))
     report.line(f'{label}: node pid {node.pid} active in {time.monotonic() - t0:.1f} s')
     return node, client
 

@@ -69,7 +69,7 @@ def measure_length(rt: Runtime, history: torch.Tensor, repeats: int, stepwise: b
     rt.restore('measure-policy')
     steps = [rt.act(history[i % length]).latency_s for i in range(repeats)]
     rt.restore('measure-policy')
-    commit = sample_s(rt._commit, repeats, rt.device)  # capture + ring push, as act() does
+    commit = sample_s(rt.writer.commit, repeats, rt.device)  # capture + ring push, as act() does
     result = {
         'length': length,
         'capsule_bytes': info.nbytes,

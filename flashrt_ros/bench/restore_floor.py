@@ -52,7 +52,7 @@ def main():
         t0 = time.perf_counter()
         cap = rt.store._mem[name]
         meta = cap.restore_cache['meta']
-        with rt._lock:
+        with rt.writer.lock:
             dst, src = cap.restore_cache['prefix']
             dst.copy_(src)
             rt.arena.epoch = next(epochs)

@@ -456,11 +456,10 @@ def fig5_through_ros(plan, device, log):
         for kind in ('interrupt', 'reset')}
     targets = {}
     for kind in ('interrupt', 'reset'):
-        received, published = ours[kind]['received_to_restored'], ours[kind][
-            'published_to_restored']
-        for key, dist, limits in (('received', received, (('median', 0.5), ('p99', 1.0),
-                                                           ('max', 3.0))),
-                                  ('published', published, (('median', 0.8), ('p99', 1.5)))):
+        limits_of = {'received': (('median', 0.5), ('p99', 1.0), ('max', 3.0)),
+                     'published': (('median', 0.8), ('p99', 1.5))}
+        for key, limits in limits_of.items():
+            dist = ours[kind][f'{key}_to_restored']
             for q, limit in limits:
                 value = dist[q]
                 targets[f'{kind}_{key}_to_restored_{q}_le_{limit}_ms'] = (

@@ -28,10 +28,21 @@ from flashrt_ros.qos import COMMAND_QOS, INTERRUPT_QOS
 from flashrt_ros.spin import spin_until_shutdown
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
+from rclpy.subscription import Subscription
 from std_msgs.msg import Empty
 
 CONTROL_EXECUTORS = ('single', 'events', 'shared')
 BARRIER_TIMEOUT_S = 0.5
+# rclpy passes a MessageInfo (the middleware's receipt time) to two-argument subscription
+# callbacks from Iron on; Humble calls callback(msg), and the receipt is then "now".
+_MESSAGE_INFO = hasattr(Subscription, 'CallbackType')
+
+
+def with_info(callback):
+    """Return callback(msg, msg_info) in the form this rclpy calls (info None on Humble)."""
+    if _MESSAGE_INFO:
+        return lambda msg, msg_info: callback(msg, msg_info)
+    return lambda msg: callback(msg, None)
 
 
 def received_time(msg_info):
@@ -80,9 +91,9 @@ class ControlPath:
                              start_parameter_services=False, enable_rosout=False)
             create = self.host.create_subscription
         self.topics = (interrupt_topic, reset_topic)
-        create(Interrupt, interrupt_topic, self._interrupt_callback, INTERRUPT_QOS,
+        create(Interrupt, interrupt_topic, with_info(self._interrupt_callback), INTERRUPT_QOS,
                event_callbacks=event_callbacks)
-        create(Empty, reset_topic, self._reset_callback, COMMAND_QOS)
+        create(Empty, reset_topic, with_info(self._reset_callback), COMMAND_QOS)
         if kind != 'shared':
             # Woken by barrier(): runs after the subscriptions ready in the same wake-up.
             self._wake = self.host.create_guard_condition(self._barrier_callback)
@@ -130,7 +141,7 @@ class ControlPath:
         if done is not None:
             done.set()
 
-    def _interrupt_callback(self, msg, msg_info):  # two required arguments: rclpy passes the info
+    def _interrupt_callback(self, msg, msg_info):
         callback_at = time.time()
         self._on_interrupt(msg, received_time(msg_info), callback_at)
 

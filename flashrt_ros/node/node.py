@@ -2,30 +2,27 @@
 The `flashrt` lifecycle node: ROS 2 entities mapped onto the session layer and the runtime.
 
 Callbacks convert a message, call the session (who may touch the state, and when) or the
-runtime, and convert back. Two mutually exclusive callback groups: `ordered` takes what
-replaces the state or starts a turn (~/interrupt, ~/reset, ~/restore, ~/rollback,
-~/prompt), applied one at a time in arrival order; `state` takes the rest that writes
-(~/snapshot, ~/fork, ~/delete_capsule, observations, the control timer), so an e-stop never
-waits behind a snapshot's disk write or a listing. Cheap queries (list, digest, diagnostics)
-use a reentrant group, and capsule transfers one of their own (transfer.py).
-docs/architecture.md has more.
+runtime, and convert back. ~/interrupt and ~/reset are taken on the control path
+(control.py); the mode's inputs are subscribed on configure (inputs.py); what the session
+publishes goes through outputs.py. Two mutually exclusive callback groups: `ordered` takes
+what replaces the state or starts a turn (~/restore, ~/rollback, ~/prompt), one at a time
+in arrival order; `state` takes the rest that writes (~/snapshot, ~/fork, ~/delete_capsule,
+the mode's inputs, the control timer), so an e-stop never waits behind a snapshot's disk
+write or a listing. Cheap queries (list, digest, diagnostics) use a reentrant group, and
+capsule transfers one of their own (transfer.py). docs/architecture.md has more.
 """
 
 import collections
-import functools
 import gc
 import time
 
 from diagnostic_msgs.msg import DiagnosticArray
 from flashrt_ros.action import Generate
-from flashrt_ros.msg import ActionChunk, AudioChunk, CapsuleEvent, TokenChunk
-from flashrt_ros.qos import ACTIONS_QOS, AUDIO_QOS, COMMAND_QOS, DIAGNOSTICS_QOS
-from flashrt_ros.qos import FEEDBACK_QOS, OBSERVATION_QOS, STREAM_QOS
+from flashrt_ros.qos import COMMAND_QOS, DIAGNOSTICS_QOS, FEEDBACK_QOS
 from flashrt_ros.runtime import BusyError, FlashRTError, Runtime
 from flashrt_ros.runtime.config import TIERS
 from flashrt_ros.session import BUSY_MESSAGE, InterruptMode, Session, Turn, TurnRequest
 from flashrt_ros.srv import DeleteCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
-import numpy as np
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 try:
@@ -34,15 +31,12 @@ except ImportError:  # Humble: the same classes before their module was renamed 
     from rclpy.qos_event import PublisherEventCallbacks, SubscriptionEventCallbacks
 from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
 from rclpy.qos import qos_policy_name_from_kind
-from rclpy.subscription import Subscription
-from sensor_msgs.msg import JointState
-from std_msgs.msg import Empty, Float32MultiArray, Int16MultiArray, String
+from std_msgs.msg import String
 from std_srvs.srv import Trigger
-from trajectory_msgs.msg import JointTrajectory
 
 from . import messages, parameters
-from .control import ControlPath, received_time
-from .events import EventPublisher, StageStats
+from .control import ControlPath
+from .inputs import mode_inputs
 from .outputs import RosOutputs
 from .transfer import CapsuleTransfer
 
@@ -52,13 +46,6 @@ NODE_NAME = 'flashrt'
 # wake-up, a cost on every service call. The peer's own handlers still report a mismatch.
 NO_PUB_EVENTS = PublisherEventCallbacks(use_default_callbacks=False)
 NO_SUB_EVENTS = SubscriptionEventCallbacks(use_default_callbacks=False)
-# rclpy passes a MessageInfo (the middleware's receipt time) to two-argument subscription
-# callbacks from Iron on; Humble calls callback(msg), and the node then uses its own clock.
-_MESSAGE_INFO = hasattr(Subscription, 'CallbackType')
-
-
-def _without_info(callback, msg):
-    callback(msg, None)
 
 
 class FlashRTNode(LifecycleNode):
@@ -69,7 +56,8 @@ class FlashRTNode(LifecycleNode):
         parameters.declare(self)
         self._session = None                # Session while configured
         self._goal_turns = None             # the last session's scheduler: goals it ended
-        self.outputs = RosOutputs(self)     # what the session publishes through
+        # What the session publishes through (lifecycle publishers: only while active).
+        self.outputs = RosOutputs(self, self._param('publish_joint_trajectory'))
         self._control_timer = None
         self._stage = ''                    # what a configure/activate in progress is doing
         self.tune_switch_interval = False   # main() sets it (session/turns.py says why)
@@ -79,21 +67,8 @@ class FlashRTNode(LifecycleNode):
         self._query_group = ReentrantCallbackGroup()
         self._action_group = ReentrantCallbackGroup()
 
-        # Lifecycle publishers only publish while the node is active.
-        self.tokens_pub = self.create_lifecycle_publisher(TokenChunk, '~/tokens', STREAM_QOS)
-        events_pub = self.create_lifecycle_publisher(CapsuleEvent, '~/events', STREAM_QOS)
-        self._actions_pub = self.create_lifecycle_publisher(ActionChunk, '~/actions',
-                                                            ACTIONS_QOS)
-        self._transcript_pub = self.create_lifecycle_publisher(TokenChunk, '~/transcript',
-                                                               STREAM_QOS)
-        self._trajectory_pub = None
-        if self._param('publish_joint_trajectory'):
-            self._trajectory_pub = self.create_lifecycle_publisher(
-                JointTrajectory, '~/joint_trajectory', ACTIONS_QOS)
         # Diagnostics report in every state (also why the node is not active).
         self._diag_pub = self.create_publisher(DiagnosticArray, '/diagnostics', DIAGNOSTICS_QOS)
-        self._events = EventPublisher(events_pub, self.get_logger())
-        self.interrupt_stages = StageStats()  # for /diagnostics
 
         state, ordered, query = self._state_group, self._ordered_group, self._query_group
         for srv_type, name, callback, group in (
@@ -121,23 +96,9 @@ class FlashRTNode(LifecycleNode):
                                     self._interrupt_callback, self._reset_callback,
                                     interrupt_events, group=ordered)
         self._control.start(self.get_logger(), lambda: not self.context.ok())
-        for msg_type, topic, callback, qos, events, group in (
-                (String, '~/prompt', self._prompt_callback, COMMAND_QOS, None, ordered),
-                (JointState, '~/observation', self._joint_state_callback, OBSERVATION_QOS,
-                 None, state),
-                (Float32MultiArray, '~/observation_vector', self._vector_callback,
-                 OBSERVATION_QOS, None, state),
-                (AudioChunk, '~/audio', self._audio_callback, AUDIO_QOS, None, state),
-                (Int16MultiArray, '~/audio_int16', self._int16_audio_callback, AUDIO_QOS,
-                 None, state),
-                (Float32MultiArray, '~/audio_float32', self._float32_audio_callback,
-                 AUDIO_QOS, None, state),
-                (Empty, '~/flush', self._flush_callback, COMMAND_QOS, None, state)):
-            if not _MESSAGE_INFO and callback.__code__.co_argcount == 3:  # (self, msg, info)
-                callback = functools.partial(_without_info, callback)
-            self.create_subscription(msg_type, topic, callback, qos, callback_group=group,
-                                     event_callbacks=events)
-        self._subscribe_audio_common(state)
+        self.create_subscription(String, '~/prompt', self._prompt_callback, COMMAND_QOS,
+                                 callback_group=ordered)
+        self._inputs = None  # the mode's own subscriptions (inputs.py), while configured
         self.create_timer(self._param('diagnostics_period'), self._diagnostics_callback,
                           callback_group=query)
         # ~/export_manifest, ~/export_chunk, ~/import_capsule: a reentrant group of their own
@@ -211,6 +172,7 @@ class FlashRTNode(LifecycleNode):
         if period is not None:
             self._control_timer = self.create_timer(period, self._control_tick,
                                                     callback_group=self._state_group)
+        self._inputs = mode_inputs(self, session.mode, self._state_group)
         session.turns.tune_switch_interval = self.tune_switch_interval
         session.turns.start()
         self._session, self._goal_turns = session, session.turns
@@ -230,7 +192,7 @@ class FlashRTNode(LifecycleNode):
         result = super().on_activate(state)  # activates the lifecycle publishers
         session.turns.set_active(True)
         if info is not None:
-            self.publish_event('snapshot', info.name, info.tier, info.nbytes,
+            self.outputs.event('snapshot', info.name, info.tier, info.nbytes,
                                info.latency_s * 1e3, True,
                                f'home capsule at position {info.position}')
         # The model, arena and warm-up left many long-lived objects; a full collection over
@@ -246,7 +208,7 @@ class FlashRTNode(LifecycleNode):
         """Stop the running generation at its next step and drop queued turns."""
         if not self._session.deactivate('the node was deactivated before the turn started'):
             self.get_logger().warning('the generation did not stop within interrupt_timeout')
-        self._events.flush()  # events of the active phase go out before ~/events is disabled
+        self.outputs.flush_events()  # the active phase's events go out before ~/events stops
         return super().on_deactivate(state)
 
     def on_cleanup(self, state):
@@ -269,6 +231,9 @@ class FlashRTNode(LifecycleNode):
 
     def _release_session(self):
         session, self._session = self._session, None
+        if self._inputs is not None:
+            self._inputs.destroy()
+            self._inputs = None
         if self._control_timer is not None:
             self.destroy_timer(self._control_timer)
             self._control_timer = None
@@ -281,7 +246,7 @@ class FlashRTNode(LifecycleNode):
     def destroy_node(self):
         """Stop the control path and the events thread, then destroy the node."""
         self._control.stop()
-        self._events.close()
+        self.outputs.close()
         super().destroy_node()
 
     def state_label(self):
@@ -294,45 +259,6 @@ class FlashRTNode(LifecycleNode):
                 '(lifecycle ~/change_state) first')
 
     # ---- outputs -----------------------------------------------------------------------
-
-    def publish_event(self, operation, name, tier, size_bytes, latency_ms, success, message,
-                      stamp=None, stages=()):
-        """Queue a CapsuleEvent, stamped now (or `stamp`), for the events thread."""
-        if not self.active:
-            return
-        rt = self._runtime
-        fields = {'operation': operation, 'name': name or '', 'tier': tier or '',
-                  'size_bytes': max(0, int(size_bytes)), 'latency_ms': float(latency_ms),
-                  'position': int(rt.position) if rt is not None else 0,
-                  'success': bool(success), 'message': message}
-        if stages:
-            self.interrupt_stages.add(stages)
-        self._events.put(fields, stamp or self.get_clock().now(), stages)
-
-    def publish_evictions(self):
-        """Report capsules the lru budget policy evicted to make room."""
-        rt = self._runtime
-        if rt is None:
-            return
-        for info in rt.drain_evictions():
-            self.get_logger().info(f'evicted capsule {info.name!r} ({info.tier}, '
-                                   f'{info.nbytes} bytes) to stay within the budget')
-            self.publish_event('evict', info.name, info.tier, info.nbytes, 0.0, True,
-                               'evicted (least recently used) to stay within the budget')
-
-    def publish_actions(self, step, rows, names):
-        """Publish action rows as an ActionChunk (and a JointTrajectory if enabled)."""
-        now = self.get_clock().now().to_msg()
-        self._actions_pub.publish(messages.action_chunk(step, rows, names, now))
-        if self._trajectory_pub is not None:
-            self._trajectory_pub.publish(messages.joint_trajectory(
-                rows, names, 1.0 / self._param('control_rate'),
-                self._param('trajectory_field'), now))
-
-    def publish_transcript(self, utterance, index, ids, text, final):
-        """Publish a speech stream's tokens on ~/transcript."""
-        self._transcript_pub.publish(messages.transcript_chunk(
-            utterance, index, ids, text, final, self.get_clock().now().to_msg()))
 
     # ---- capsule services ------------------------------------------------------------
 
@@ -349,7 +275,7 @@ class FlashRTNode(LifecycleNode):
         except Exception as exc:  # a bug, not bad input: report it and keep serving
             message = f'internal error in {operation}: {exc!r}'
             self.get_logger().error(message)
-        self.publish_event(operation, name, tier, 0, 0.0, False, message)
+        self.outputs.event(operation, name, tier, 0, 0.0, False, message)
         response.success, response.message = False, message
         return None
 
@@ -359,9 +285,9 @@ class FlashRTNode(LifecycleNode):
             messages.info_msg(info, response.capsule)
             response.latency_ms = info.latency_s * 1e3
         response.success, response.message = True, message
-        self.publish_event(operation, info.name, info.tier, info.nbytes, info.latency_s * 1e3,
+        self.outputs.event(operation, info.name, info.tier, info.nbytes, info.latency_s * 1e3,
                            True, message)
-        self.publish_evictions()
+        self.outputs.evictions()
         return response
 
     def _snapshot_callback(self, request, response):
@@ -487,114 +413,7 @@ class FlashRTNode(LifecycleNode):
             f'(policy {policy}): none of its interrupts will arrive. Publish them RELIABLE, '
             'VOLATILE (flashrt_ros.qos.INTERRUPT_QOS).')
 
-    # ---- observations and the control timer ------------------------------------------
-
-    def _observing_mode(self):
-        """Return the session's mode if it takes observations now, else None (and warn)."""
-        session = self._session
-        if session is not None and session.active and session.mode.accepts_observations:
-            return session.mode
-        reason = (f'the node runs mode {session.mode.name}' if self.active
-                  else self.not_active_message())
-        self.outputs.log('warning', f'observation ignored: {reason}', throttle_s=5.0)
-        return None
-
-    def _joint_state_callback(self, msg, msg_info):
-        """Build the observation vector from a JointState by the policy's observation_names."""
-        mode = self._observing_mode()
-        if mode is None:
-            return
-        try:
-            values = messages.joint_state_vector(msg, mode.observation_names)
-        except ValueError as exc:
-            mode.reject_observation(str(exc))
-            return
-        mode.observe(values, received_time(msg_info))
-
-    def _vector_callback(self, msg, msg_info):
-        """Take a Float32MultiArray as the raw observation vector."""
-        mode = self._observing_mode()
-        if mode is not None:
-            mode.observe(list(msg.data), received_time(msg_info))
-
-    # ---- speech: audio in, transcript out ---------------------------------------------
-
-    def _speech_mode(self):
-        """Return the session's mode if it takes audio now, else None (and warn)."""
-        session = self._session
-        if session is not None and session.active and session.mode.accepts_audio:
-            return session.mode
-        reason = (f'the node runs mode {session.mode.name}' if self.active
-                  else self.not_active_message())
-        self.outputs.log('warning', f'audio ignored: {reason}', throttle_s=5.0)
-        return None
-
-    def _audio_callback(self, msg, msg_info):
-        """Feed an AudioChunk (its rate, format and sample index checked)."""
-        mode = self._speech_mode()
-        if mode is None:
-            return
-        try:
-            samples = messages.audio_samples(msg)
-        except ValueError as exc:
-            mode.reject_audio(str(exc))
-            return
-        mode.audio(samples, msg.sample_rate, msg.first_sample, received_time(msg_info))
-
-    def _subscribe_audio_common(self, group):
-        """Take audio_common_msgs audio too, of whichever flavour is installed (if any)."""
-        try:
-            import audio_common_msgs.msg as audio_common
-        except ImportError:  # neither package is on the Python package index
-            return
-        flavour = messages.audio_common_flavour(audio_common)
-        if not flavour:
-            self.get_logger().warning('audio_common_msgs has neither the AudioStamped of '
-                                      'mgonzs13/audio_common nor the AudioData of '
-                                      'ros-drivers/audio_common; not subscribed to it')
-            return
-        msg_type, topic = ((audio_common.AudioStamped, '~/audio_stamped') if flavour == 'typed'
-                           else (audio_common.AudioData, '~/audio_data'))
-        callback = functools.partial(self._audio_common_callback, flavour)
-        self.create_subscription(msg_type, topic, lambda msg: callback(msg, None), AUDIO_QOS,
-                                 callback_group=group)
-        self.get_logger().info(f'audio_common_msgs ({flavour} flavour) on {topic}')
-
-    def _audio_common_callback(self, flavour, msg, msg_info):
-        """Feed audio_common_msgs samples (rate checked as for ~/audio; not numbered)."""
-        mode = self._speech_mode()
-        if mode is None:
-            return
-        try:
-            samples, rate = messages.audio_common_samples(msg, flavour)
-        except ValueError as exc:
-            mode.reject_audio(str(exc))
-            return
-        mode.audio(samples, rate, -1, received_time(msg_info))
-
-    def _int16_audio_callback(self, msg, msg_info):
-        """Feed mono int16 samples at the model's rate (not numbered: no gap check)."""
-        mode = self._speech_mode()
-        if mode is not None:
-            mode.audio(np.asarray(msg.data, dtype=np.int16), None, -1,
-                       received_time(msg_info))
-
-    def _float32_audio_callback(self, msg, msg_info):
-        """Feed mono float32 samples at the model's rate (not numbered: no gap check)."""
-        mode = self._speech_mode()
-        if mode is not None:
-            mode.audio(np.asarray(msg.data, dtype=np.float32), None, -1,
-                       received_time(msg_info))
-
-    def _flush_callback(self, msg):
-        """Publish the words the text delay still holds back (final transcript chunk)."""
-        mode = self._speech_mode()
-        if mode is None:
-            return
-        try:
-            mode.flush()
-        except Exception as exc:
-            mode.reject_audio(f'flush failed: {exc}')
+    # ---- the control timer -------------------------------------------------------------
 
     def _control_tick(self):
         session = self._session
@@ -673,7 +492,7 @@ class FlashRTNode(LifecycleNode):
     def _diagnostics_callback(self):
         status = messages.diagnostic_status(
             f'{self.get_fully_qualified_name()}: capsule runtime', self.state_label(),
-            self._session, self._stage, self.interrupt_stages.values())
+            self._session, self._stage, self.outputs.interrupt_stages.values())
         array = DiagnosticArray(status=[status])
         array.header.stamp = self.get_clock().now().to_msg()
         self._diag_pub.publish(array)

@@ -1,49 +1,102 @@
-"""The session's outputs on ROS: ~/tokens and goal feedback, ~/events, ~/actions, the log."""
+"""
+The session's outputs on ROS, whose publishers RosOutputs owns.
+
+~/tokens and goal feedback, ~/events, ~/actions (and ~/joint_trajectory), ~/transcript, and
+the log.
+"""
 
 import sys
 import time
 
 from flashrt_ros.action import Generate
+from flashrt_ros.msg import ActionChunk, CapsuleEvent, TokenChunk
+from flashrt_ros.qos import ACTIONS_QOS, STREAM_QOS
 from flashrt_ros.session import Outputs
+from trajectory_msgs.msg import JointTrajectory
 
 from . import messages
+from .events import EventPublisher, StageStats
 
 
 class RosOutputs(Outputs):
-    """Publish what the session reports through the node's publishers."""
+    """Publish what the session reports; lifecycle publishers, so only while active."""
 
-    def __init__(self, node):
+    def __init__(self, node, joint_trajectory=False):
         self._node = node
         self._throttled = {}  # (file, line) of a throttled log call -> when it last logged
+        lifecycle = node.create_lifecycle_publisher
+        self._tokens = lifecycle(TokenChunk, '~/tokens', STREAM_QOS)
+        self._events = EventPublisher(lifecycle(CapsuleEvent, '~/events', STREAM_QOS),
+                                      node.get_logger())
+        self._actions = lifecycle(ActionChunk, '~/actions', ACTIONS_QOS)
+        self._transcript = lifecycle(TokenChunk, '~/transcript', STREAM_QOS)
+        self._trajectory = (lifecycle(JointTrajectory, '~/joint_trajectory', ACTIONS_QOS)
+                            if joint_trajectory else None)
+        self.interrupt_stages = StageStats()  # for /diagnostics
+
+    def _stamp(self):
+        return self._node.get_clock().now().to_msg()
 
     def event(self, operation, name, tier, size_bytes, latency_ms, success, message,
               stamp=None, stages=()):
-        self._node.publish_event(operation, name, tier, size_bytes, latency_ms, success,
-                                 message, stamp, stages)
+        """Queue a CapsuleEvent, stamped now (or `stamp`), for the events thread."""
+        node = self._node
+        if not node.active:
+            return
+        rt = node.session.runtime if node.session is not None else None
+        fields = {'operation': operation, 'name': name or '', 'tier': tier or '',
+                  'size_bytes': max(0, int(size_bytes)), 'latency_ms': float(latency_ms),
+                  'position': int(rt.position) if rt is not None else 0,
+                  'success': bool(success), 'message': message}
+        if stages:
+            self.interrupt_stages.add(stages)
+        self._events.put(fields, stamp or node.get_clock().now(), stages)
 
     def evictions(self):
-        self._node.publish_evictions()
+        """Report capsules the lru budget policy evicted to make room."""
+        session = self._node.session
+        if session is None:
+            return
+        for info in session.runtime.drain_evictions():
+            self.log('info', f'evicted capsule {info.name!r} ({info.tier}, {info.nbytes} '
+                     'bytes) to stay within the budget')
+            self.event('evict', info.name, info.tier, info.nbytes, 0.0, True,
+                       'evicted (least recently used) to stay within the budget')
+
+    def flush_events(self, timeout=1.0):
+        """Wait until the events queued so far are published."""
+        self._events.flush(timeout)
+
+    def close(self):
+        """Publish what is queued, then end the events thread."""
+        self._events.close()
 
     def chunk(self, turn, index, ids, text, stop_reason, final=False):
         node = self._node
-        chunk = messages.token_chunk(turn, index, ids, text, stop_reason, final,
-                                     node.get_clock().now().to_msg())
+        chunk = messages.token_chunk(turn, index, ids, text, stop_reason, final, self._stamp())
         # The final chunk goes out while deactivating too: the lifecycle publisher stays
         # enabled until the transition ends (and drops what comes later).
         if node.active or final:
             try:
-                node.tokens_pub.publish(chunk)
+                self._tokens.publish(chunk)
             except Exception as exc:  # e.g. the node is being destroyed
                 self.log('warning', f'could not publish a token chunk: {exc!r}')
         if turn.handle is not None:
             turn.handle.publish_feedback(Generate.Feedback(chunk=chunk))
 
     def actions(self, step, rows, names):
-        self._node.publish_actions(step, rows, names)
+        """Publish action rows as an ActionChunk (and a JointTrajectory if enabled)."""
+        now, param = self._stamp(), self._node.get_parameter
+        self._actions.publish(messages.action_chunk(step, rows, names, now))
+        if self._trajectory is not None:
+            self._trajectory.publish(messages.joint_trajectory(
+                rows, names, 1.0 / param('control_rate').value,
+                param('trajectory_field').value, now))
 
     def transcript(self, utterance, index, ids, text, final):
         try:
-            self._node.publish_transcript(utterance, index, ids, text, final)
+            self._transcript.publish(messages.transcript_chunk(
+                utterance, index, ids, text, final, self._stamp()))
         except Exception as exc:  # e.g. the node is being destroyed
             self.log('warning', f'could not publish a transcript chunk: {exc!r}')
 

@@ -88,7 +88,7 @@ class CapsuleTransfer:
         response.success = True
         response.message = (f'export {m.export_id} of {m.name!r}: {m.total_bytes} bytes, '
                             f'position {m.position}')
-        self._node.publish_event('export', m.name, info.tier, m.total_bytes,
+        self._node.outputs.event('export', m.name, info.tier, m.total_bytes,
                                  (time.perf_counter() - t0) * 1e3, True, response.message)
         return response
 
@@ -181,7 +181,7 @@ class CapsuleTransfer:
                 f'({result.throughput_mib_s:.0f} MiB/s) via {via}, position {info.position}')
             goal_handle.succeed()
             self._report(name, info.tier, manifest.total_bytes, t0, True, result.message)
-            self._node.publish_evictions()
+            self._node.outputs.evictions()
             return result
         if manifest is not None and (staging is None or not staging.complete):
             self._close_export(source, manifest.export_id)
@@ -238,7 +238,7 @@ class CapsuleTransfer:
         return True
 
     def _report(self, name, tier, nbytes, t0, success, message):
-        self._node.publish_event('import', name, tier, nbytes,
+        self._node.outputs.event('import', name, tier, nbytes,
                                  (time.perf_counter() - t0) * 1e3, success, message)
 
     def _clients_of(self, source):

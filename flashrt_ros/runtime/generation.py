@@ -26,7 +26,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .errors import FlashRTError, InvalidRequestError
-from .preemption import abortable_forward, guarded_forward, serve, StepAborted
+from .preemption import guarded_forward, StepAborted
 
 STOP_REASONS = ('max_tokens', 'eos', 'stop_string', 'interrupted', 'max_seq_len', 'error')
 
@@ -195,19 +195,19 @@ class Generation:
         return self
 
     def __next__(self) -> TokenEvent:
-        rt = self._rt
-        with rt._lock:
+        writer = self._rt.writer
+        with writer.lock:
             if self._events:  # decided by the last speculative round, handed out one by one
                 return self._events.popleft()
             if self.result is not None:
                 raise StopIteration
-            if rt._preemption is not None:  # a restore/rollback waits for this boundary
-                serve(rt, self, torn=False)
+            if writer.pending:  # a restore/rollback waits for this boundary
+                writer.serve(self, torn=False)
                 raise StopIteration
             try:
                 return self._step()
             except StepAborted:
-                serve(rt, self, torn=True)
+                writer.serve(self, torn=True)
                 raise StopIteration from None
 
     def close(self) -> None:
@@ -231,9 +231,9 @@ class Generation:
             if self.prompt_ids is not None:
                 # A conversation turn's prompt is not cut by an interrupt: half a turn is
                 # no boundary.
-                stop = None if self.closes_turn else rt._interrupt.is_set
+                stop = None if self.closes_turn else rt.writer.stop.is_set
                 try:
-                    with abortable_forward(rt):
+                    with rt.writer.abortable():
                         self.prompt_consumed = prefill_ids(rt, self.prompt_ids, stop)
                 except FlashRTError:
                     self._release()
@@ -244,8 +244,8 @@ class Generation:
             if s.seed is not None:
                 rt.generator.manual_seed(s.seed)
             if self.prompt_ids is not None and not self.closes_turn:
-                rt._commit()  # end of prefill is a committed boundary
-        if rt._interrupt.is_set():
+                rt.writer.commit()  # end of prefill is a committed boundary
+        if rt.writer.stop.is_set():
             self.finish('interrupted')
         elif len(self.token_ids) >= s.max_new_tokens:
             self.finish('max_tokens')
@@ -268,7 +268,7 @@ class Generation:
         else:
             with torch.inference_mode():  # once for the step's nested calls (inference.py)
                 if cursor.pending is not None:
-                    with abortable_forward(rt):
+                    with rt.writer.abortable():
                         _feed(rt, cursor.pending)
                     cursor.pending = None
                 with guarded_forward(rt):  # e.g. NaN logits make sampling raise
@@ -317,15 +317,12 @@ class Generation:
 
     def _release(self) -> None:
         """Free the runtime's writer slot, if this turn holds it."""
-        rt = self._rt
-        if rt._turn is self:
-            rt._turn = None
-            rt._interrupt.clear()
+        self._rt.writer.release(self)
 
     def finish(self, reason: str, commit: bool = True) -> None:
         """End of turn: build the result, commit the boundary, free the writer slot."""
         rt = self._rt
-        with rt._lock:
+        with rt.writer.lock:
             if self.result is not None:
                 return
             ids = list(self.token_ids)
@@ -348,10 +345,10 @@ class Generation:
             if tps > 0:
                 rt._decode_tps = tps
             try:
-                if commit and self.started and rt._turn is self and not rt._closed:
+                if commit and self.started and rt.writer.turn is self and not rt._closed:
                     if self.closes_turn:
                         self._close_turn(reason)
-                    rt._commit()  # end of turn is a committed boundary
+                    rt.writer.commit()  # end of turn is a committed boundary
             finally:
                 self._release()
 

@@ -44,7 +44,7 @@ def control_step(rt, observations: torch.Tensor, t0: float) -> ActionChunk:
             rt.engine.left.fill_(left)  # the queue as it was before the call
         raise
     cursor.position += len(observations)
-    rt._commit()
+    rt.writer.commit()
     if rt._cuda:  # the commit's copy is queued, not done: bill it to this step
         torch.cuda.synchronize(rt.device)
     rt._control_step_s = time.perf_counter() - t0

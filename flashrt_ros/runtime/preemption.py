@@ -1,16 +1,15 @@
 """
-Preemption: a restore or rollback that replaces the state of a running generation.
+Preemption, the model's side: what a preempting restore or rollback does to a running step.
 
-Concurrency. One writer: every state access holds the step lock (Runtime._lock), which a
-generation takes for each of its steps. restore/rollback(..., preempt=True) checks its
-capsule first; then preempt_with (one at a time, under Runtime._preemption_lock) arms a
-global forward pre-hook, sets Runtime._preemption and waits for the step lock. The generation
-thread meets the request at its next step boundary, or inside the forward at the next
-module call (the hook raises StepAborted there, on that thread only), ends its turn and
-runs it (serve); when no step runs, the caller runs it itself. An abandoned forward leaves
-the state torn, and the capsule written over it also zeroes the rows that forward may have
-written (Cursor.extent). A captured CUDA graph replays as one launch, so there the wait is
-up to one step; a policy's act() is always waited for.
+The writer slot (writer.py) decides when a preemption runs; this module says how a step is
+abandoned and how the state is put back.
+
+A waiting preemption abandons the step in flight at its next module call (StepAborted);
+compiled code that calls no module (models/cpu_step.c) polls ARMED between layers and meets
+the same hook there. An abandoned forward leaves the state torn, and the capsule written
+over it also zeroes the rows that forward may have written (Cursor.extent). A captured CUDA
+graph replays as one launch, so there the wait is up to one step; a policy's act() is always
+waited for.
 
 A forward that fails half-way for any other reason (out of memory, a bug in a custom
 module, Ctrl-C) puts the newest committed boundary back (guarded_forward).
@@ -21,11 +20,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
-import time
-
-import torch
-
-from .state.capsule import CapsuleInfo
 
 
 class StepAborted(Exception):
@@ -38,90 +32,10 @@ ARMED = ctypes.c_int32(0)
 _armed_lock = threading.Lock()
 
 
-def _arm(step: int) -> None:
+def arm(step: int) -> None:
+    """Count a preemption armed (1) or disarmed (-1) in ARMED."""
     with _armed_lock:
         ARMED.value += step
-
-
-class Preemption:
-    """
-    A restore or rollback waiting to replace the state of a running generation.
-
-    Armed from the start (an LM runtime): once it is Runtime._preemption, the next module call
-    of the turn's abortable forward raises StepAborted. Module calls read the global hooks
-    each time, so that holds at once, also while the turn is inside a forward. The hook
-    sees every module call of the process, so it checks the thread; without a waiting
-    preemption there is no hook at all, so a step pays nothing for being abortable. A
-    policy's act() is not abandoned: the preemption waits for it (one control step).
-    """
-
-    def __init__(self, rt, run, stages=None):
-        self.run = run  # run(from_newest: bool) -> CapsuleInfo, with the step lock held
-        self.stages = {} if stages is None else stages  # stage -> time.perf_counter()
-        self.done = False
-        self.result: CapsuleInfo | None = None
-        self.error: BaseException | None = None
-        self.hook = None
-        if not rt.is_policy:
-            def check(module, args):
-                if rt._preemption is not None and rt._abortable_thread == threading.get_ident():
-                    raise StepAborted()
-
-            self.hook = torch.nn.modules.module.register_module_forward_pre_hook(check)
-            _arm(1)
-
-
-def preempt_with(rt, run, stages: dict | None = None) -> CapsuleInfo:
-    """
-    Run run(from_newest) with the step lock held, ending a running generation first.
-
-    run must check first that the runtime is still open (close() may run while this waits).
-    stages, when given, gets time.perf_counter() at 'armed' (the request visible to the
-    step), 'step_left' (the state is this request's) and 'copied' (run returned).
-    """
-    with rt._preemption_lock:
-        request = Preemption(rt, run, stages)  # armed first: see Preemption
-        try:
-            rt._preemption = request
-            request.stages['armed'] = time.perf_counter()
-            with rt._lock:
-                rt._preemption = None
-                if not request.done:  # no step was running: a boundary or idle
-                    request.stages['step_left'] = time.perf_counter()
-                    gen = rt._turn
-                    result = run(gen is not None and end_turn(gen, torn=False))
-                    request.stages['copied'] = time.perf_counter()
-                    return result
-        finally:
-            rt._preemption = None
-            if request.hook is not None:
-                request.hook.remove()
-                _arm(-1)
-    if request.error is not None:
-        raise request.error
-    return request.result
-
-
-def serve(rt, gen, torn: bool) -> None:
-    """
-    End `gen` and run the waiting preemption (lock held, on the generation thread).
-
-    torn: a forward was abandoned half-way, so the turn ends uncommitted and the live state
-    must be replaced; if the preemption fails anyway (it was checked before it was armed)
-    the last committed boundary is put back instead.
-    """
-    request = rt._preemption
-    request.stages['step_left'] = time.perf_counter()
-    from_newest = end_turn(gen, torn)
-    try:
-        request.result = request.run(from_newest)
-        request.stages['copied'] = time.perf_counter()
-    except Exception as exc:
-        request.error = exc
-        if torn:
-            recover_torn(rt)
-    request.done = True
-    rt._preemption = None  # served: a turn started before the caller wakes must not see it
 
 
 def end_turn(gen, torn: bool) -> bool:
@@ -161,11 +75,11 @@ def guarded_forward(rt):
     except StepAborted:
         raise
     except BaseException as exc:
-        gen = rt._turn
-        if gen is not None and rt._preemption is not None:
+        gen = rt.writer.turn
+        if gen is not None and rt.writer.pending:
             # A restore/rollback waits for this step: it replaces the state as it would
             # have replaced an abandoned one (rollback(1) lands on the prompt's end).
-            serve(rt, gen, torn=True)
+            rt.writer.serve(gen, torn=True)
             where = 'the waiting preemption replaced the state'
         else:
             if gen is not None:
@@ -177,13 +91,3 @@ def guarded_forward(rt):
         if hasattr(exc, 'add_note'):  # Python 3.11+
             exc.add_note(f'flashrt: the step failed half-way; {where}')
         raise
-
-
-@contextlib.contextmanager
-def abortable_forward(rt):
-    """Let a waiting preemption abandon the forward run inside (StepAborted)."""
-    rt._abortable_thread = threading.get_ident()
-    try:
-        yield
-    finally:
-        rt._abortable_thread = 0

@@ -10,10 +10,10 @@ Committed boundaries: the end of a prefill, the end of a turn, reset(), every ac
 state a restore/rollback lands on; the rollback ring keeps the last `rollback_depth` of
 those the live sequence rows still hold (state/ring.py).
 
-Concurrency: one writer. Every state access holds `_lock` (the step lock); a generation
-claims the writer slot from generate() until it finishes, and state-changing calls made
+Concurrency: one writer (writer.py). Every state access holds the slot's step lock; a
+generation claims the slot from generate() until it finishes, and state-changing calls made
 meanwhile raise BusyError instead of waiting for an unbounded stream to end, unless they
-preempt it (restore/rollback with preempt=True: preemption.py).
+preempt it (restore/rollback with preempt=True: WriterSlot.preempt).
 
 Policy mode (a robot policy model: policy_mode.py): act(observation) replaces prefill and
 generate; snapshot/restore/fork/rollback/kv_only are the same code for both modes.
@@ -29,7 +29,6 @@ import functools
 import hashlib
 import logging
 import math
-import threading
 import time
 from typing import Callable, Sequence
 
@@ -47,7 +46,7 @@ from .models.policy import is_policy_model, load_policy
 from .models.speculative import MTPAdapter
 from .models.speech import is_speech_model, KyutaiSTTAdapter, load_speech, SpeechSpec
 from .policy_mode import ActionChunk, control_step
-from .preemption import preempt_with, Preemption
+from .preemption import end_turn, recover_torn
 from .speculation import attach, Speculator
 from .speech_mode import check_audio, FedAudio, feed_samples, read_delayed, warm_speech
 from .state.arena import dtype_from_name, dtype_name, StateArena
@@ -59,6 +58,7 @@ from .state.ring import RollbackRing
 from .state.store import CapsuleStore
 from .state.transfer import check_manifest, Exports, Manifest, Staging
 from .stats import RingStats, RuntimeStats, TierStats
+from .writer import WriterSlot
 
 _log = logging.getLogger(__name__)
 RESTORE_MODES = ('full', 'kv_only')
@@ -101,13 +101,7 @@ class Runtime:
         policy = is_policy_model(model)
         self.dtype = dtype_from_name(config.dtype if config.dtype != 'auto' else (
             'float32' if policy or adapter is not None else checkpoint_dtype(model)))
-        self._lock = threading.RLock()  # the step lock
-        self._interrupt = threading.Event()
-        self._turn: Generation | None = None  # the turn holding the writer slot
         self._closed = False
-        self._preemption: Preemption | None = None  # a restore/rollback waiting for that turn
-        self._preemption_lock = threading.Lock()  # one preemption at a time
-        self._abortable_thread = 0  # ident of the thread whose forward may be abandoned now, or 0
 
         if adapter is None:
             progress(f'loading {config.model} ({dtype_name(self.dtype)}) on {self.device}')
@@ -125,6 +119,9 @@ class Runtime:
                 _log.warning('speculation %s; decoding runs plain', self.speculation_note)
         self.adapter = adapter
         self.is_policy = isinstance(adapter, PolicyAdapter)
+        # The single-writer state (writer.py); a policy's act() is waited for, not abandoned.
+        self.writer = WriterSlot(self._commit, end_turn, lambda: recover_torn(self),
+                                 abortable_steps=not self.is_policy)
         self.is_speech = isinstance(adapter, KyutaiSTTAdapter)
         self.tokenizer = getattr(adapter, 'tokenizer', None)
         # The conversation renderer (None: raw text; policy mode); ConfigError if asked for
@@ -178,7 +175,7 @@ class Runtime:
 
     @property
     def generating(self) -> bool:
-        return self._turn is not None
+        return self.writer.turn is not None
 
     @property
     def state_nbytes(self) -> int:
@@ -204,7 +201,7 @@ class Runtime:
 
     def _check_idle(self) -> None:
         self._check_open()
-        if self._turn is not None:
+        if self.writer.turn is not None:
             raise BusyError(BUSY_MESSAGE)
 
     def _require_mode(self, policy: bool, speech: bool = False) -> None:
@@ -243,7 +240,7 @@ class Runtime:
         The live state is saved as a capsule of its used prefix, not as a second arena: the
         extra memory is the used state at most, whatever max_seq_len.
         """
-        with self._lock:
+        with self.writer.lock:
             self._check_idle()
             saved = self.codec.capture('warmup', 'device')
             try:
@@ -271,7 +268,7 @@ class Runtime:
 
     def reset(self) -> None:
         """Zero state, position 0, sampler reseeded; a committed boundary."""
-        with self._lock:
+        with self.writer.lock:
             self._check_idle()
             self.arena.zero_()
             self.adapter.reset_meta()
@@ -279,14 +276,14 @@ class Runtime:
             cursor = self.cursor
             cursor.position, cursor.pending, cursor.extent = 0, None, 0
             cursor.messages, cursor.turn_open = (), False
-            self._commit()
+            self.writer.commit()
 
     def close(self) -> None:
         """Free the model, arena and memory capsules (disk capsules stay)."""
-        with self._lock:
-            if self._turn is not None:
-                self._interrupt.set()
-                self._turn.finish('interrupted')
+        with self.writer.lock:
+            if self.writer.turn is not None:
+                self.writer.stop.set()
+                self.writer.turn.finish('interrupted')
             self._closed = True
             self.ring.drop_all()
             self.store.drop_memory_tiers()
@@ -335,13 +332,13 @@ class Runtime:
         unless raw=True; token ids are always fed as they are.
         """
         self._require_mode(policy=False)
-        with self._lock:
+        with self.writer.lock:
             self._check_idle()
             ids, plan = self._segment(prompt, raw, role, reply=False)
             prefill_ids(self, ids)
             if plan is not None:
                 self.cursor.messages = plan.messages
-            self._commit()
+            self.writer.commit()
             return self.cursor.position
 
     def sampling(self, max_new_tokens: int = 64, temperature: float | None = 0.0,
@@ -379,7 +376,7 @@ class Runtime:
         greedy when it has none).
         """
         sampling = self.sampling(max_new_tokens, temperature, top_k, top_p, seed, stop, eos)
-        with self._lock:
+        with self.writer.lock:
             self._check_idle()
             ids, plan = None, None
             if prompt is not None:
@@ -397,8 +394,7 @@ class Runtime:
                     'nothing to continue from: the state is empty; pass a prompt'
                 )
             gen = Generation(self, ids, sampling, plan)
-            self._interrupt.clear()
-            self._turn = gen
+            self.writer.claim(gen)
             return gen
 
     def interrupt(self) -> None:
@@ -414,16 +410,16 @@ class Runtime:
         """
         if self.is_policy and not self._closed:
             self.drop_actions()
-        gen = self._turn
+        gen = self.writer.turn
         if gen is None:
             return
-        self._interrupt.set()
-        if self._lock.acquire(blocking=False):  # not inside a step
+        self.writer.stop.set()
+        if self.writer.lock.acquire(blocking=False):  # not inside a step
             try:
-                if self._turn is gen:
+                if self.writer.turn is gen:
                     gen.finish('interrupted')
             finally:
-                self._lock.release()
+                self.writer.lock.release()
 
     # ---- policy mode: observation in, action chunk out ---------------------------------
 
@@ -443,7 +439,7 @@ class Runtime:
         self._require_mode(policy=True)
         observations = self.engine.check(observation)  # [T, obs_dim] float32, host
         t0 = time.perf_counter()
-        with self._lock:
+        with self.writer.lock:
             self._check_idle()
             return control_step(self, observations, t0)
 
@@ -455,21 +451,21 @@ class Runtime:
     def next_action(self) -> torch.Tensor | None:
         """Take the next not-yet-executed action [action_dim] of the chunk (None: empty)."""
         self._require_mode(policy=True)
-        with self._lock:
+        with self.writer.lock:
             self._check_idle()
             return self.engine.pop()
 
     def pending_actions(self) -> torch.Tensor:
         """Return a copy of the queue of not-yet-executed actions [n, action_dim]."""
         self._require_mode(policy=True)
-        with self._lock:
+        with self.writer.lock:
             self._check_open()
             return self.engine.queued()
 
     def drop_actions(self) -> int:
         """Empty the action queue (what interrupt() does); return how many were dropped."""
         self._require_mode(policy=True)
-        with self._lock:
+        with self.writer.lock:
             self._check_open()
             return self.engine.drop()
 
@@ -501,7 +497,7 @@ class Runtime:
         """
         audio = self.check_audio(samples, sample_rate)
         t0 = time.perf_counter()
-        with self._lock:
+        with self.writer.lock:
             self._check_idle()
             events = feed_samples(self, audio, sample_rate, should_stop)
             if events:
@@ -512,7 +508,7 @@ class Runtime:
     def flush(self, should_stop: Callable[[], bool] | None = None) -> FedAudio:
         """Return the tokens the text delay still holds back; the live state is unchanged."""
         self._require_mode(policy=False, speech=True)
-        with self._lock:
+        with self.writer.lock:
             self._check_idle()
             return read_delayed(self, should_stop)
 
@@ -523,7 +519,7 @@ class Runtime:
         validate_name(name)
         validate_tier(tier)
         t0 = self._clock()
-        with self._lock:
+        with self.writer.lock:
             self._check_open()
             if self.cursor.turn_open:
                 raise BusyError('a conversation turn is being generated; a capsule holds whole '
@@ -543,7 +539,7 @@ class Runtime:
         conv state. preempt=True ends a running generation in the middle of its step instead
         of raising BusyError (preemption.py); the capsule is fetched and checked before
         anything is stopped, so a bad one leaves the generation running. stages: see
-        preemption.preempt_with (filled only with preempt=True).
+        WriterSlot.preempt (filled only with preempt=True).
         """
         t0 = self._clock()
         if mode not in RESTORE_MODES:
@@ -554,7 +550,7 @@ class Runtime:
             raise InvalidRequestError('preempt needs a full restore (mode kv_only would '
                                       'keep the recurrent state of the abandoned step)')
         self._check_open()
-        if not preempt and self._turn is not None:  # (checked again under the lock)
+        if not preempt and self.writer.turn is not None:  # (checked again under the lock)
             self.store.check_name(name)  # a bad name says so, busy or not
             raise BusyError(BUSY_MESSAGE)  # before any disk read or LRU clock
         # Fetched and checked outside the step lock: a bad name or capsule fails at once, and
@@ -566,9 +562,9 @@ class Runtime:
             self._check_open()  # close() ran meanwhile: say that, not what it took away
             raise
         if preempt:
-            return preempt_with(self, lambda _: self._restore_checked(cap, meta, mode, t0),
-                                stages)
-        with self._lock:
+            return self.writer.preempt(lambda _: self._restore_checked(cap, meta, mode, t0),
+                                       stages)
+        with self.writer.lock:
             self._check_idle()
             return self._restore_checked(cap, meta, mode, t0)
 
@@ -667,10 +663,9 @@ class Runtime:
         t0 = time.perf_counter()
         if preempt:
             self._check_rollback(boundaries)  # the ring only grows until the lock is ours
-            return preempt_with(
-                self, lambda from_newest: self._rollback_locked(boundaries, t0, from_newest),
-                stages)
-        with self._lock:
+            return self.writer.preempt(
+                lambda from_newest: self._rollback_locked(boundaries, t0, from_newest), stages)
+        with self.writer.lock:
             self._check_idle()
             return self._rollback_locked(boundaries, t0, from_newest=False)
 
@@ -742,7 +737,7 @@ class Runtime:
 
     def state_digest(self) -> str:
         """sha256 over every arena byte and the non-tensor state (RNG state included)."""
-        with self._lock:
+        with self.writer.lock:
             self._check_open()
             h = hashlib.sha256()
             self.arena.digest(h)

@@ -36,7 +36,7 @@ from .errors import FlashRTError
 from .generation import _feed
 from .inference import inference
 from .models.speculative import recurrent_rule
-from .preemption import abortable_forward, guarded_forward
+from .preemption import guarded_forward
 
 TRACE_ROUNDS = 4096  # accepted-draft counts of the latest rounds (tests, benchmarks)
 NAN_LOGITS = ('the model produced NaN logits; no token was taken: check the model (dtype, '
@@ -175,7 +175,7 @@ class Speculator:
         token, hidden = pending, a.hidden.view(1, -1)
         drafts = []
         for j in range(k):
-            with abortable_forward(rt), guarded_forward(rt):
+            with rt.writer.abortable(), guarded_forward(rt):
                 token, hidden = a.draft(token, hidden, position + j,  # hidden [1, H]
                                         rt.engine.vocab_limit)
             drafts.append(token)
@@ -195,7 +195,7 @@ class Speculator:
         rt = self.rt
         cursor = rt.cursor
         for j, token in enumerate([cursor.pending] + drafts):
-            with abortable_forward(rt):
+            with rt.writer.abortable():
                 _feed(rt, token)
             cursor.pending = None
             with guarded_forward(rt):
@@ -239,7 +239,7 @@ class Speculator:
         position, tokens = cursor.position, [cursor.pending] + drafts
         n = len(tokens)
         cursor.extent = max(cursor.extent, position + n)
-        with abortable_forward(rt), guarded_forward(rt):
+        with rt.writer.abortable(), guarded_forward(rt):
             logits, hidden = main.forward(tokens, position, save=True)  # [n, V], [n, H]
             best = _greedy(logits, rt.engine.vocab_limit)
         accepted = self._accepted(tokens, best, accept)
@@ -278,13 +278,13 @@ class Speculator:
                 return self._sequential([], accept), 0
         else:
             dev.ids[0, 0].fill_(pending)
-            with abortable_forward(rt), guarded_forward(rt):
+            with rt.writer.abortable(), guarded_forward(rt):
                 dev.run('draft', k, position)
             self._drafted(position, k)
         n = k + 1
         skip, meta = a.skip_first_upkeep, a.export_meta()
         cursor.extent = max(cursor.extent, position + n)
-        with abortable_forward(rt), guarded_forward(rt):
+        with rt.writer.abortable(), guarded_forward(rt):
             dev.run('verify', n, position)
             tokens, best, nan = dev.read(n)
             if nan:
@@ -300,7 +300,7 @@ class Speculator:
                 a.import_meta(meta)
                 if skip:  # the zeroed rows held x's head row too: the feed writes it again
                     a.layer.cumulative_length.fill_(position - 1)
-                with abortable_forward(rt):
+                with rt.writer.abortable():
                     dev.run('feed', used, position)
         return self._advance(tokens, best, accepted, dev.ids[0]), k
 

@@ -128,7 +128,7 @@ def _feed_frames(rt, audio: torch.Tensor, rate: int | None, commit: bool,
         with guarded_forward(rt):  # a torn frame goes: back to the last completed one
             events += _frame(rt)
         if commit:
-            rt._commit()
+            rt.writer.commit()
     return events
 
 

@@ -46,7 +46,7 @@ class _Actions:
     def __init__(self, name, proc):
         self.client = start_client(name)
         wait_active(self.client, proc)
-        assert self.client.wait_for_subscribers(10.0), 'the node does not subscribe'
+        assert self.client.wait_for_subscribers(10.0, 'observation'), 'no subscription'
         self.chunks = []
         self.client.subscribe_actions(self.chunks.append)
         time.sleep(0.3)

@@ -25,7 +25,7 @@ class _Speech:
     def __init__(self, proc):
         self.client = start_client('flashrt_speech')
         wait_active(self.client, proc)
-        assert self.client.wait_for_subscribers(10.0), 'the node does not subscribe'
+        assert self.client.wait_for_subscribers(10.0, 'audio'), 'no subscription'
         self.chunks = []
         self.client.subscribe_transcript(self.chunks.append)
         self.events = EventLog(self.client)

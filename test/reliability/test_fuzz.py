@@ -178,7 +178,7 @@ def test_fuzz_observations(tmp_path, surroundings):
     # Its own name: the module's language-model node is still up on this domain.
     with running_node(tmp_path / 'node', surroundings.capsule_dir, POLICY_PARAMS,
                       name='flashrt_policy') as (_, client):
-        assert client.wait_for_subscribers(10.0)
+        assert client.wait_for_subscribers(10.0, 'observation')
         outcomes, arrived = [], threading.Semaphore(0)
 
         def add(kind):

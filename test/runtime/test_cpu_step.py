@@ -157,12 +157,12 @@ def test_a_preemption_arriving_mid_step_is_met_between_layers(make_runtime):
             raise StepAborted()
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
-    preemption._arm(1)  # what an armed Preemption does: the C loop polls it between layers
+    preemption.arm(1)  # what an armed Preemption does: the C loop polls it between layers
     try:
         with pytest.raises(StepAborted):
             cs.forward([5], rt.position)
     finally:
-        preemption._arm(-1)
+        preemption.arm(-1)
         handle.remove()
     assert met == layers[:2]  # checked before each layer, as a module call would be
     assert preemption.ARMED.value == 0

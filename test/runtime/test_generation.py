@@ -311,7 +311,7 @@ def test_a_failing_step_serves_a_waiting_rollback_as_if_the_step_was_abandoned(m
         handle.remove()
         entered.set()
         deadline = time.monotonic() + 10
-        while rt._preemption is None and time.monotonic() < deadline:
+        while not rt.writer.pending and time.monotonic() < deadline:
             time.sleep(0.001)
         raise RuntimeError('simulated out of memory')
 

@@ -38,7 +38,7 @@ class _PreemptInsideStep:
         if self.thread is None:
             self.thread = threading.Thread(target=self._run)
             self.thread.start()
-            while self.rt._preemption is None and self.thread.is_alive():  # armed
+            while not self.rt.writer.pending and self.thread.is_alive():  # armed
                 self.thread.join(0.001)
 
     def _count(self, module, args, output):
@@ -124,7 +124,7 @@ def test_a_served_preemption_does_not_hit_the_next_turn(make_runtime):
     gen = rt.generate(prompt=OTHER, max_new_tokens=50, stop=(), eos=False)
     next(gen), next(gen)
     probe = _PreemptInsideStep(rt, lambda: rt.rollback(1, preempt=True))
-    gate, step_lock = threading.Event(), rt._lock
+    gate, step_lock = threading.Event(), rt.writer.lock
 
     class GatedLock:
         """The step lock, but the preempting thread may take it only once the gate opens."""
@@ -137,7 +137,7 @@ def test_a_served_preemption_does_not_hit_the_next_turn(make_runtime):
         def __exit__(self, *exc):
             return step_lock.__exit__(*exc)
 
-    rt._lock = GatedLock()
+    rt.writer.lock = GatedLock()
     try:
         with pytest.raises(StopIteration):
             next(gen)
@@ -146,7 +146,7 @@ def test_a_served_preemption_does_not_hit_the_next_turn(make_runtime):
     finally:
         gate.set()
         probe.join()
-        rt._lock = step_lock
+        rt.writer.lock = step_lock
     assert probe.error is None and after.result.stop_reason == 'max_tokens'
     assert len(tokens) == 3
     # Boundaries now: PROMPT, +OTHER, the cut turn's prompt (where the rollback landed), the
@@ -187,10 +187,10 @@ def test_preempting_rollback_of_an_unstarted_turn_undoes_nothing_before_it(make_
         info = rt.rollback(1, preempt=True)
     else:  # the turn's first step wins the lock and serves the rollback itself
         out = []
-        with rt._lock:  # the preemption arms, then waits for the lock: the next step serves it
+        with rt.writer.lock:  # the preemption arms, then waits for it: the next step serves it
             thread = threading.Thread(target=lambda: out.append(rt.rollback(1, preempt=True)))
             thread.start()
-            while rt._preemption is None:
+            while not rt.writer.pending:
                 thread.join(0.001)
             with pytest.raises(StopIteration):
                 next(gen)
@@ -271,9 +271,9 @@ def test_an_armed_preemption_never_aborts_another_runtime(make_runtime):
     preempt = threading.Thread(target=lambda: outcome.update(
         info=a.restore('home', preempt=True)))
     preempt.start()
-    while a._preemption is None and preempt.is_alive():
+    while not a.writer.pending and preempt.is_alive():
         preempt.join(0.001)
-    assert a._preemption is not None  # armed, and A cannot serve it while held
+    assert a.writer.pending  # armed, and A cannot serve it while held
     b_tokens = []
     b_thread = threading.Thread(target=lambda: b_tokens.extend(greedy(b, 8)))
     b_thread.start()

@@ -1,0 +1,158 @@
+"""
+The writer slot: who changes the live state, how a step is preempted, how a boundary is kept.
+
+The single-writer state of a Runtime lives here and nowhere else; it needs no model, so its
+tests need none either (test/runtime/test_writer.py).
+
+- `lock` (the step lock) guards every read or write of the arena and its metadata, one
+  step at a time; `turn` is the generation that holds the slot from generate() until it
+  ends, and `stop` asks it to end at its next step boundary.
+- A restore or rollback that must not wait for a running turn preempts it (`preempt`): the
+  request is armed first (a global forward pre-hook, and `preemption.ARMED` for compiled
+  code that calls no module), then it waits for the step lock. The turn's thread meets it
+  at its next step boundary (`pending`), or inside the forward at its next module call
+  while `abortable()` (the hook raises StepAborted there, on that thread only), and runs
+  it itself (`serve`); when no step runs, the caller runs it under the lock.
+- `commit()` pushes the live state on the rollback ring: every change ends in one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from .preemption import arm, StepAborted
+
+
+class Request:
+    """A restore or rollback waiting for the step lock: run it, or say how it ended."""
+
+    def __init__(self, run: Callable[[bool], Any], stages: dict | None):
+        self.run = run  # run(from_newest) -> result, with the step lock held
+        self.stages = {} if stages is None else stages  # stage -> time.perf_counter()
+        self.done = False
+        self.result = None
+        self.error: BaseException | None = None
+
+
+class WriterSlot:
+    """The step lock, the turn holding the slot, its stop flag and a waiting preemption."""
+
+    def __init__(self, commit: Callable[[], None], end_turn: Callable[[Any, bool], bool],
+                 recover_torn: Callable[[], None], abortable_steps: bool = True):
+        """
+        commit(): push the live state on the rollback ring (lock held).
+
+        end_turn(turn, torn) ends `turn` for a preemption and returns its run's
+        from_newest; recover_torn() puts a half-updated state back when a preemption that
+        was to replace it fails. abortable_steps False: steps are waited for, never
+        abandoned (a policy's act()).
+        """
+        self.lock = threading.RLock()
+        self.turn = None
+        self.stop = threading.Event()
+        self._commit = commit
+        self._end_turn = end_turn
+        self._recover_torn = recover_torn
+        self._abortable_steps = abortable_steps
+        self._request: Request | None = None
+        self._preempting = threading.Lock()  # one preemption at a time
+        self._abortable_thread = 0  # the thread whose forward may be abandoned now, or 0
+
+    # ---- the turn --------------------------------------------------------------------
+
+    def claim(self, turn) -> None:
+        """Give the slot to `turn` (lock held; the caller checked it was free)."""
+        self.stop.clear()
+        self.turn = turn
+
+    def release(self, turn) -> None:
+        """Free the slot if `turn` holds it (lock held)."""
+        if self.turn is turn:
+            self.turn = None
+            self.stop.clear()
+
+    def commit(self) -> None:
+        """Mark the live state as a committed boundary (lock held)."""
+        self._commit()
+
+    @contextlib.contextmanager
+    def abortable(self):
+        """Let a waiting preemption abandon the forward run inside (StepAborted)."""
+        self._abortable_thread = threading.get_ident()
+        try:
+            yield
+        finally:
+            self._abortable_thread = 0
+
+    # ---- preemption ------------------------------------------------------------------
+
+    @property
+    def pending(self) -> bool:
+        """Whether a preemption waits for the step boundary (checked there, lock held)."""
+        return self._request is not None
+
+    def preempt(self, run: Callable[[bool], Any], stages: dict | None = None):
+        """
+        Return run(from_newest) run with the step lock held, ending a running turn first.
+
+        run must check first that the runtime is still open (close may run while this
+        waits). stages, when given, gets time.perf_counter() at 'armed' (the request
+        visible to the step), 'step_left' (the state is this request's) and 'copied'
+        (run returned).
+        """
+        with self._preempting:
+            request = Request(run, stages)
+            hook = None
+            if self._abortable_steps:  # armed first: the next module call meets it
+                hook = torch.nn.modules.module.register_module_forward_pre_hook(self._check)
+                arm(1)
+            try:
+                self._request = request
+                request.stages['armed'] = time.perf_counter()
+                with self.lock:
+                    self._request = None
+                    if not request.done:  # no step was running: a boundary, or idle
+                        request.stages['step_left'] = time.perf_counter()
+                        turn = self.turn
+                        result = run(turn is not None and self._end_turn(turn, False))
+                        request.stages['copied'] = time.perf_counter()
+                        return result
+            finally:
+                self._request = None
+                if hook is not None:
+                    hook.remove()
+                    arm(-1)
+        if request.error is not None:
+            raise request.error
+        return request.result
+
+    def _check(self, module, args) -> None:
+        """Abandon this thread's step (the forward pre-hook of an armed preemption)."""
+        if self._request is not None and self._abortable_thread == threading.get_ident():
+            raise StepAborted()
+
+    def serve(self, turn, torn: bool) -> None:
+        """
+        End `turn` and run the waiting preemption (lock held, on the turn's thread).
+
+        torn: a forward was abandoned half-way, so the turn ends uncommitted and the live
+        state must be replaced; if the preemption fails anyway (it was checked before it
+        was armed) the last committed boundary is put back instead.
+        """
+        request = self._request
+        request.stages['step_left'] = time.perf_counter()
+        from_newest = self._end_turn(turn, torn)
+        try:
+            request.result = request.run(from_newest)
+            request.stages['copied'] = time.perf_counter()
+        except Exception as exc:
+            request.error = exc
+            if torn:
+                self._recover_torn()
+        request.done = True
+        self._request = None  # served: a turn started before the caller wakes must not see it

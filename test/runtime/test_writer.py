@@ -1,0 +1,181 @@
+"""The writer slot on its own: claims, commits and preemption, with no model at all."""
+
+import threading
+
+from flashrt_ros.runtime.preemption import ARMED, StepAborted
+from flashrt_ros.runtime.writer import WriterSlot
+import pytest
+import torch
+
+STAGES = ['armed', 'step_left', 'copied']
+
+
+class Turn:
+    """A stand-in generation loop: steps under the slot's lock, as Generation does."""
+
+    def __init__(self, slot, module=None):
+        self.slot, self.module = slot, module
+        self.steps = 0
+        self.ended = None  # torn, once a preemption ended it
+        self.running = threading.Event()
+        self.thread = threading.Thread(target=self._loop)
+
+    def _loop(self):
+        slot = self.slot
+        while True:
+            with slot.lock:
+                if slot.turn is not self:  # ended by a preemption its caller ran
+                    return
+                if slot.pending:
+                    slot.serve(self, torn=False)
+                    return
+                try:
+                    self._step()
+                except StepAborted:
+                    slot.serve(self, torn=True)
+                    return
+            self.running.set()
+
+    def _step(self):
+        self.steps += 1
+        if self.module is not None:
+            with self.slot.abortable():
+                for _ in range(1000):  # a long forward: many module calls
+                    self.module(torch.zeros(1))
+
+
+def _slot(log, abortable=True):
+    def end_turn(turn, torn):
+        turn.ended = torn
+        log.append(('end', torn))
+        slot.release(turn)
+        return torn
+
+    slot = WriterSlot(lambda: log.append('commit'), end_turn, lambda: log.append('recover'),
+                      abortable_steps=abortable)
+    return slot
+
+
+def test_claim_release_and_stop():
+    log = []
+    slot = _slot(log)
+    first, second = object(), object()
+    slot.stop.set()
+    slot.claim(first)  # a new claim starts without a stop request
+    assert slot.turn is first and not slot.stop.is_set()
+    slot.stop.set()
+    slot.release(second)  # not the holder: nothing changes
+    assert slot.turn is first and slot.stop.is_set()
+    slot.release(first)
+    assert slot.turn is None and not slot.stop.is_set()
+    slot.commit()
+    assert log == ['commit']
+
+
+def test_an_idle_preemption_runs_on_the_caller_with_its_stages():
+    log, stages = [], {}
+    slot = _slot(log)
+    before = ARMED.value
+    result = slot.preempt(lambda from_newest: ('ran', from_newest,
+                                               slot.lock._is_owned()), stages)
+    assert result == ('ran', False, True)  # under the lock, no turn to end
+    assert list(stages) == STAGES and sorted(stages.values()) == list(stages.values())
+    assert ARMED.value == before and not slot.pending  # disarmed again
+
+
+def test_a_running_turn_serves_the_preemption_at_its_boundary():
+    log, stages = [], {}
+    slot = _slot(log)
+    turn = Turn(slot)
+    slot.claim(turn)
+    turn.thread.start()
+    assert turn.running.wait(10.0)
+    ran_on = []
+    result = slot.preempt(lambda from_newest: ran_on.append(threading.current_thread())
+                          or from_newest, stages)
+    turn.thread.join(10.0)
+    assert not turn.thread.is_alive()
+    assert slot.turn is None
+    assert result is False and turn.ended is False and log == [('end', False)]
+    assert ran_on in ([turn.thread], [threading.main_thread()])  # whoever had the lock
+    assert list(stages) == STAGES
+
+
+def test_an_abortable_step_is_abandoned_at_its_next_module_call():
+    log = []
+    slot = _slot(log)
+    module = torch.nn.Identity()
+    turn = Turn(slot, module)
+    slot.claim(turn)
+    other_calls = []
+
+    def bystander():  # another thread's module calls never raise
+        for _ in range(2000):
+            other_calls.append(module(torch.zeros(1)))
+
+    turn.thread.start()
+    assert turn.running.wait(10.0)
+    watcher = threading.Thread(target=bystander)
+    watcher.start()
+    assert slot.preempt(lambda from_newest: from_newest) is True  # torn: from the newest
+    turn.thread.join(10.0)
+    assert not turn.thread.is_alive()
+    watcher.join(10.0)
+    assert turn.ended is True and len(other_calls) == 2000
+    assert module(torch.zeros(1)) is not None  # no hook left behind
+
+
+def test_a_failing_preemption_reaches_the_caller_and_puts_a_torn_state_back():
+    log = []
+    slot = _slot(log)
+    turn = Turn(slot, torch.nn.Identity())
+    slot.claim(turn)
+    turn.thread.start()
+    assert turn.running.wait(10.0)
+
+    def fail(from_newest):
+        raise ValueError('capsule went away')
+
+    with pytest.raises(ValueError, match='went away'):
+        slot.preempt(fail)
+    turn.thread.join(10.0)
+    assert not turn.thread.is_alive()
+    # Served by the turn inside its step: the half-updated state is put back. (Served by
+    # the caller between steps, nothing was torn and nothing is put back.)
+    assert log in ([('end', True), 'recover'], [('end', False)])
+
+
+def test_steps_that_may_not_be_abandoned_are_waited_for():
+    log = []
+    slot = _slot(log, abortable=False)
+    turn = Turn(slot, torch.nn.Identity())
+    slot.claim(turn)
+    turn.thread.start()
+    assert turn.running.wait(10.0)
+    assert slot.preempt(lambda from_newest: from_newest) is False
+    turn.thread.join(10.0)
+    assert not turn.thread.is_alive()
+    assert turn.ended is False  # the step in flight ended whole: never torn
+
+
+def test_one_preemption_at_a_time():
+    log = []
+    slot = _slot(log)
+    inside, release, order = threading.Event(), threading.Event(), []
+
+    def slow(from_newest):
+        inside.set()
+        assert release.wait(10.0)
+        order.append('first')
+
+    first = threading.Thread(target=lambda: slot.preempt(slow))
+    first.start()
+    assert inside.wait(10.0)
+    second = threading.Thread(target=lambda: slot.preempt(lambda f: order.append('second')))
+    second.start()
+    second.join(0.2)
+    assert second.is_alive() and order == []
+    release.set()
+    first.join(10.0)
+    second.join(10.0)
+    assert order == ['first', 'second']
