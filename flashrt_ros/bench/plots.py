@@ -166,13 +166,10 @@ def fig5(f, path, subtitle):
                  f'{f["node_added_ms"]:.3f} ms{paired}', fontsize=10)
     ax.tick_params(axis='x', labelsize=8)
     ax.grid(True, axis='y', alpha=0.3)
-    curves = (('single', 'published_to_restored_samples_ms', 'control path: published', OURS,
-               '-'),
-              ('single', 'received_to_restored_samples_ms', 'control path: received', OURS, ':'),
-              ('shared', 'published_to_restored_samples_ms', 'shared executor: published',
-               BASELINE, '-'),
-              ('shared', 'received_to_restored_samples_ms', 'shared executor: received',
-               BASELINE, ':'))
+    curves = [(label, f'{end}_to_restored_samples_ms', f'{label}: {end}', color, style)
+              for label, color in (('single_rt', 'tab:green'), ('single', OURS),
+                                   ('shared', BASELINE))
+              for end, style in (('published', '-'), ('received', ':'))]
     for control, key, label, color, style in curves:
         values = sorted(f['controls'][control].get(key, []))
         if values:

@@ -10,9 +10,13 @@ thread, so nothing else stands between a message's arrival and its callback.
 The hidden node subscribes to the names the main node resolves (its remappings and
 namespace applied) and ignores the process's command-line arguments, so a `__node:=`
 remapping does not give two nodes one name. `control_executor` picks the executor:
-'single' (a SingleThreadedExecutor), 'events' (rclpy's EventsExecutor, where installed) or
-'shared' (the topics on the node's own executor, in its `ordered` group: the configuration
-before this path existed, kept for side-by-side measurements).
+'single' (a SingleThreadedExecutor) or 'shared' (the topics on the node's own executor, in
+its `ordered` group: the configuration before this path existed, kept for side-by-side
+measurements). rclpy's EventsExecutor is not offered: the one of rclpy 9.1 delivered
+nothing and spun a core when tried (docs/architecture.md). `control_priority` > 0 runs the
+control thread under SCHED_FIFO at that priority, so the kernel runs it ahead of the
+generation thread when an interrupt arrives (it needs CAP_SYS_NICE or an rtprio limit; a
+refusal is logged and the thread keeps the normal policy).
 
 Order: interrupts and resets are applied in their arrival order, one at a time. A prompt,
 restore or rollback taken by the node's executor first lets the control path take every
@@ -20,6 +24,7 @@ interrupt that had arrived by then (barrier()), so "interrupt, then prompt" stay
 """
 
 import functools
+import os
 import threading
 import time
 
@@ -31,7 +36,7 @@ from rclpy.node import Node
 from rclpy.subscription import Subscription
 from std_msgs.msg import Empty
 
-CONTROL_EXECUTORS = ('single', 'events', 'shared')
+CONTROL_EXECUTORS = ('single', 'shared')
 BARRIER_TIMEOUT_S = 0.5
 # rclpy passes a MessageInfo (the middleware's receipt time) to two-argument subscription
 # callbacks from Iron on; Humble calls callback(msg), and the receipt is then "now".
@@ -50,15 +55,6 @@ def received_time(msg_info):
     now = time.time()
     received = ((msg_info or {}).get('received_timestamp') or 0) / 1e9
     return received if now - 10.0 < received <= now + 0.001 else now
-
-
-def events_executor_class():
-    """Return rclpy's EventsExecutor, or None where this rclpy has none."""
-    try:
-        from rclpy.experimental import EventsExecutor
-    except ImportError:
-        return None
-    return EventsExecutor
 
 
 class ControlPath:
@@ -103,22 +99,24 @@ class ControlPath:
         """Return the fully qualified name of the node that holds the subscriptions."""
         return self.host.get_fully_qualified_name()
 
-    def start(self, logger, stopping):
+    def start(self, logger, stopping, priority=0):
         """Spin the control executor on a thread of its own (nothing to do for 'shared')."""
         if self.kind == 'shared':
             return
-        if self.kind == 'events':
-            cls = events_executor_class()
-            if cls is None:
-                raise RuntimeError("control_executor 'events' needs rclpy.experimental."
-                                   "EventsExecutor, which this rclpy lacks; use 'single'")
-            self._executor = cls(context=self._node.context)
-        else:
-            self._executor = SingleThreadedExecutor(context=self._node.context)
+        self._executor = SingleThreadedExecutor(context=self._node.context)
         self._executor.add_node(self.host)
-        self._thread = threading.Thread(
-            target=spin_until_shutdown, args=(self._executor, logger, stopping),
-            name='flashrt-control', daemon=True)
+
+        def run():
+            if priority > 0:
+                try:  # this thread only: pid 0 is the calling thread
+                    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+                except (OSError, AttributeError) as exc:
+                    logger.warning(f'control_priority {priority}: SCHED_FIFO refused ({exc}); '
+                                   'the control thread runs at normal priority (grant '
+                                   'CAP_SYS_NICE or an rtprio limit)')
+            spin_until_shutdown(self._executor, logger, stopping)
+
+        self._thread = threading.Thread(target=run, name='flashrt-control', daemon=True)
         self._thread.start()
 
     def barrier(self, timeout=BARRIER_TIMEOUT_S):

@@ -33,6 +33,7 @@ from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
 from rclpy.qos import qos_policy_name_from_kind
 from std_msgs.msg import String
 from std_srvs.srv import Trigger
+import torch
 
 from . import messages, parameters
 from .control import ControlPath
@@ -95,7 +96,8 @@ class FlashRTNode(LifecycleNode):
         self._control = ControlPath(self, self._param('control_executor'),
                                     self._interrupt_callback, self._reset_callback,
                                     interrupt_events, group=ordered)
-        self._control.start(self.get_logger(), lambda: not self.context.ok())
+        self._control.start(self.get_logger(), lambda: not self.context.ok(),
+                            self._param('control_priority'))
         self.create_subscription(String, '~/prompt', self._prompt_callback, COMMAND_QOS,
                                  callback_group=ordered)
         self._inputs = None  # the mode's own subscriptions (inputs.py), while configured
@@ -148,6 +150,8 @@ class FlashRTNode(LifecycleNode):
                 if problem:
                     raise FlashRTError(problem)
             config = parameters.runtime_config(self, self.get_fully_qualified_name())
+            if self._param('compute_threads') > 0:  # process-wide, before the model loads
+                torch.set_num_threads(self._param('compute_threads'))
             t0 = time.perf_counter()
             runtime = Runtime(config, progress=self._progress)
             session = Session(runtime, self._param('mode'), self._param, self.outputs)

@@ -20,7 +20,8 @@ RUNTIME_PARAMS = tuple(f.name for f in dataclasses.fields(RuntimeConfig))
 # Set at start-up only: a peer on the DDS domain must not point the node at another model
 # or directory, change what it may hold, or unprotect the home capsule.
 READ_ONLY = ('model', 'device', 'capsule_dir', 'device_budget_bytes', 'host_budget_bytes',
-             'disk_budget_bytes', 'home_capsule', 'protect_home', 'control_executor')
+             'disk_budget_bytes', 'home_capsule', 'protect_home', 'control_executor',
+             'control_priority', 'compute_threads')
 # Each node keeps its disk capsules apart: {node} is its fully qualified name.
 DEFAULT_CAPSULE_DIR = '~/.cache/flashrt_ros/capsules/{node}'
 _RUNTIME_DEFAULTS = RuntimeConfig()
@@ -148,9 +149,16 @@ PARAMETERS = (
           string_array=True),
     Param('control_executor', 'single',
           'What takes ~/interrupt and ~/reset. single: an executor of their own on a thread of '
-          "its own (the control path); events: the same with rclpy's EventsExecutor; shared: "
-          "the node's own executor, beside services and inputs (slower; for comparisons).",
-          choices=CONTROL_EXECUTORS),
+          "its own (the control path); shared: the node's own executor, beside services and "
+          'inputs (slower; for comparisons).', choices=CONTROL_EXECUTORS),
+    Param('compute_threads', 0,
+          'Threads of the model step (torch and the compiled CPU step), set at configure; 0 '
+          "keeps torch's default (every core). On a robot, leave a core to the control path and "
+          'the middleware (docs/architecture.md).', integer=(0, 1024)),
+    Param('control_priority', 0,
+          'SCHED_FIFO priority (1-99) of the control thread; 0 keeps the normal policy. Needs '
+          'CAP_SYS_NICE or an rtprio limit (refused: a warning, normal priority).',
+          integer=(0, 99)),
     Param('interrupt_timeout', 5.0,
           'Seconds ~/interrupt, ~/reset and deactivate wait for the generation to reach a step '
           'boundary.', floating=(0.01, 600.0)),
