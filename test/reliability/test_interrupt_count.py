@@ -1,4 +1,4 @@
-"""No interrupt lost or applied twice: 10,000 of them, many during turns, each one accounted for."""
+"""No interrupt lost or applied twice: 10,000, many during turns, each one accounted for."""
 
 import collections
 import re
