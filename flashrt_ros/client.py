@@ -138,6 +138,21 @@ class ImportRun(GoalRun):
         return wrapped.status, wrapped.result
 
 
+def refuse_nul(msg):
+    r"""
+    Raise ValueError if a string field of `msg` holds a NUL byte.
+
+    The middleware's C layer ends a string at its first NUL, so the node would act on the
+    name before it ('nul\0trunc' on 'nul'): such a request is refused here, unsent.
+    """
+    for field, kind in msg.get_fields_and_field_types().items():
+        value = getattr(msg, field)
+        values = value if kind.startswith('sequence<string') else [value]
+        if kind.startswith(('string', 'sequence<string')) and any('\0' in v for v in values):
+            raise ValueError(f'{type(msg).__name__}.{field} holds a NUL byte, which the '
+                             'middleware would cut the string at; remove it')
+
+
 class FlashRTClient:
     """Client for one flashrt node (services, generate action, control topics)."""
 
@@ -250,6 +265,7 @@ class FlashRTClient:
 
     def _call(self, client, request, timeout=None):
         """Call one service; return its response or raise TimeoutError."""
+        refuse_nul(request)
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         if not client.wait_for_service(timeout_sec=timeout):
@@ -348,6 +364,7 @@ class FlashRTClient:
 
         goal = ImportCapsule.Goal(source_node=source_node, source_name=source_name, name=name,
                                   tier=tier)
+        refuse_nul(goal)
         future = self._import.send_goal_async(goal, feedback_callback=on_feedback)
         return ImportRun(self, self._wait(future, timeout, 'import goal'), feedback)
 
@@ -394,6 +411,7 @@ class FlashRTClient:
             if feedback_callback is not None:
                 self._feedback.put((feedback_callback, chunk))
 
+        refuse_nul(goal)
         future = self._generate.send_goal_async(
             goal, feedback_callback=lambda message: on_chunk(message.feedback.chunk))
         goal_handle = self._wait(future, timeout, 'generate goal')

@@ -122,3 +122,17 @@ def test_token_chunk_published_and_received(ros_context):
         executor.shutdown()
     finally:
         node.destroy_node()
+
+
+def test_the_client_refuses_a_nul_byte_the_middleware_would_cut_at():
+    from flashrt_ros.action import Generate, ImportCapsule
+    from flashrt_ros.client import refuse_nul
+    from flashrt_ros.srv import Fork, Snapshot
+
+    for msg in (Snapshot.Request(name='fz\0cut'), Fork.Request(source='a', target='b\0'),
+                ImportCapsule.Goal(source_node='/n', source_name='x\0y'),
+                Generate.Goal(prompt='hi', stop=['ok', 'a\0b'])):
+        with pytest.raises(ValueError, match='NUL byte'):
+            refuse_nul(msg)
+    refuse_nul(Snapshot.Request(name='fine'))  # nothing to refuse
+    refuse_nul(Generate.Goal(prompt='hi', stop=['ok']))

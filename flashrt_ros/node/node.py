@@ -249,8 +249,13 @@ class FlashRTNode(LifecycleNode):
 
     def destroy_node(self):
         """Stop the control path and the events thread, then destroy the node."""
-        self._control.stop()
-        self.outputs.close()
+        # Also called on a node whose __init__ failed (rclpy's shutdown destroys every node
+        # of the context): only what was built is stopped.
+        control, outputs = getattr(self, '_control', None), getattr(self, 'outputs', None)
+        if control is not None:
+            control.stop()
+        if outputs is not None:
+            outputs.close()
         super().destroy_node()
 
     def state_label(self):

@@ -11,6 +11,7 @@ from flashrt_ros.session.policy import STEPPINGS
 from flashrt_ros.session.turns import GOAL_POLICIES
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
 from rcl_interfaces.msg import ParameterType, SetParametersResult
+from rclpy.parameter import Parameter
 
 from .control import CONTROL_EXECUTORS
 from .messages import TRAJECTORY_FIELDS
@@ -18,10 +19,13 @@ from .messages import TRAJECTORY_FIELDS
 # Parameters that build the Runtime; a change takes effect at the next configure.
 RUNTIME_PARAMS = tuple(f.name for f in dataclasses.fields(RuntimeConfig))
 # Set at start-up only: a peer on the DDS domain must not point the node at another model
-# or directory, change what it may hold, or unprotect the home capsule.
+# or directory, change what it may hold in memory or on disk (the arena's length, the ring,
+# the budgets, whether capsules are evicted), unprotect the home capsule or slow the
+# control path.
 READ_ONLY = ('model', 'device', 'capsule_dir', 'device_budget_bytes', 'host_budget_bytes',
-             'disk_budget_bytes', 'home_capsule', 'protect_home', 'control_executor',
-             'control_priority', 'compute_threads')
+             'disk_budget_bytes', 'max_seq_len', 'rollback_depth', 'ring_budget_bytes',
+             'eviction', 'home_capsule', 'protect_home', 'control_executor', 'control_priority',
+             'compute_threads')
 # Each node keeps its disk capsules apart: {node} is its fully qualified name.
 DEFAULT_CAPSULE_DIR = '~/.cache/flashrt_ros/capsules/{node}'
 _RUNTIME_DEFAULTS = RuntimeConfig()
@@ -201,7 +205,15 @@ def choice_problem(name, value):
 def declare(node):
     """Declare every parameter on `node` and refuse a bad choice when one is set."""
     for p in PARAMETERS:
-        node.declare_parameter(p.name, p.default, p.descriptor())
+        if p.string_array:
+            # Declared by type: from an empty default rclpy would infer a byte array and
+            # refuse every list of strings. Unset (no override): the default, typed.
+            node.declare_parameter(p.name, Parameter.Type.STRING_ARRAY, p.descriptor())
+            if node.get_parameter_or(p.name).type_ == Parameter.Type.NOT_SET:
+                node.set_parameters([Parameter(p.name, Parameter.Type.STRING_ARRAY,
+                                               list(p.default))])
+        else:
+            node.declare_parameter(p.name, p.default, p.descriptor())
     for parameter in node.get_parameters(list(CHOICES)):
         problem = choice_problem(parameter.name, parameter.value)
         if problem:

@@ -64,6 +64,8 @@ _log = logging.getLogger(__name__)
 RESTORE_MODES = ('full', 'kv_only')
 KV_ONLY_SKIPS = frozenset({'conv', 'recurrent'})  # what a KV-only restore (the ablation) leaves
 MIN_TEMPERATURE = 1e-4  # below it the scaled logits overflow: use 0 (greedy) instead
+# The same bound as a float32 rounds it (a ROS message's temperature is a float32).
+_MIN_TEMPERATURE_F32 = float(torch.tensor(MIN_TEMPERATURE, dtype=torch.float32))
 BUSY_MESSAGE = ('a generation is running; interrupt() it (a step in flight ends first), or '
                 'restore/rollback with preempt=True')
 
@@ -351,7 +353,7 @@ class Runtime:
         top_k = defaults.top_k if top_k is None else top_k
         top_p = defaults.top_p if top_p is None else top_p
         if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
-                and (temperature == 0 or temperature >= MIN_TEMPERATURE)):
+                and (temperature == 0 or temperature >= _MIN_TEMPERATURE_F32)):
             raise InvalidRequestError(
                 f'temperature {temperature!r} is not valid: use 0 (greedy) or a finite '
                 f'number >= {MIN_TEMPERATURE:g}')

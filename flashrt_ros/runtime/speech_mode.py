@@ -49,6 +49,10 @@ class FedAudio(list):
     dropped_samples = 0  # samples of the call not taken in (at the rate they were sent)
 
 
+# Float samples are full scale at 1.0; a little gain past it is taken, more is refused.
+MAX_AMPLITUDE = 8.0
+
+
 def check_audio(adapter, samples, sample_rate: int | None = None) -> torch.Tensor:
     """Return mono samples as float32 [N] in [-1, 1], or raise InvalidRequestError."""
     adapter.resampler.check_rate(stated_rate(adapter, sample_rate))
@@ -69,6 +73,11 @@ def check_audio(adapter, samples, sample_rate: int | None = None) -> torch.Tenso
             f'audio samples of type {array.dtype} are not supported; send int16 or float32')
     if array.size and not np.isfinite(array).all():
         raise InvalidRequestError('audio holds NaN or Inf samples; nothing was fed')
+    peak = float(np.abs(array).max()) if array.size else 0.0
+    if peak > MAX_AMPLITUDE:  # finite, but enough to make the codec's state infinite
+        raise InvalidRequestError(
+            f'audio samples reach {peak:.3g}, far past full scale (1.0); send float samples in '
+            f'[-1, 1] (at most {MAX_AMPLITUDE:g}) or int16; nothing was fed')
     return torch.from_numpy(np.ascontiguousarray(array))
 
 

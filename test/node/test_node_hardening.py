@@ -78,7 +78,10 @@ def test_an_interrupt_does_not_wait_for_a_disk_snapshot(hardened, monkeypatch, t
 
 @pytest.mark.parametrize('name, value', [('model', 'builtin:tiny-llama'),
                                          ('capsule_dir', '/tmp/elsewhere'),
-                                         ('device', 'cuda'), ('disk_budget_bytes', 1)])
+                                         ('device', 'cuda'), ('disk_budget_bytes', 1),
+                                         # what the node may hold: a peer could grow it
+                                         ('max_seq_len', 65536), ('rollback_depth', 1024),
+                                         ('ring_budget_bytes', 0), ('eviction', 'lru')])
 def test_runtime_identity_parameters_are_read_only(hardened, name, value):
     client, node = hardened
     before = node.get_parameter(name).value

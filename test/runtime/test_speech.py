@@ -206,6 +206,10 @@ def test_bad_audio_is_refused_and_loses_nothing(stt):
         (np.zeros(100, dtype=np.float32), 96000, '8000..48000 Hz'),
         (np.zeros((2, 100), dtype=np.float32), None, 'mono'),
         (np.zeros(100, dtype=np.complex64), None, 'int16 or float32'),
+        # Finite, but the codec's state would become inf/NaN in committed frames.
+        (np.full(4000, 1e30, dtype=np.float32), None, 'far past full scale'),
+        (np.full(4000, -3.4e38, dtype=np.float32), None, 'far past full scale'),
+        (np.full(4000, 9.0), None, 'at most 8'),
     ]
     for samples, rate, words in bad:
         with pytest.raises(InvalidRequestError, match=words):
@@ -220,6 +224,9 @@ def test_bad_audio_is_refused_and_loses_nothing(stt):
     rt.restore(snap.name)
     b = [e.token_id for e in rt.feed_audio(pcm.astype(np.float32) / 32768.0)]
     assert a == b
+    rt.feed_audio(np.full(4000, 8.0, dtype=np.float32))  # gain past full scale: taken
+    views = [rt.arena.view(e) for e in rt.arena.manifest]
+    assert all(torch.isfinite(v).all() for v in views if v.is_floating_point())
 
 
 def test_a_frame_failing_in_the_model_puts_the_last_frame_back(stt, monkeypatch):

@@ -20,6 +20,7 @@ from flashrt_ros.runtime import (
     InvalidRequestError,
 )
 from flashrt_ros.runtime.state import disk
+import numpy as np
 import pytest
 from runtime_harness import greedy, PROMPT
 from safetensors import safe_open
@@ -322,6 +323,8 @@ def test_temperatures_that_cannot_sample_are_refused(make_runtime, temperature):
         rt.generate(' and', temperature=temperature)
     assert rt.state_digest() == before and not rt.generating
     assert len(greedy(rt, 2, temperature=1e-4, seed=1)) == 2
+    # The documented minimum as a ROS message carries it (float32: 9.9999997e-05).
+    assert len(greedy(rt, 2, temperature=float(np.float32(1e-4)), seed=1)) == 2
 
 
 def test_greedy_decoding_refuses_nan_logits(make_runtime):

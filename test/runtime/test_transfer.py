@@ -216,6 +216,28 @@ def test_a_local_export_is_read_from_shared_memory_and_verified(make_runtime, tm
     assert list(local_dir.iterdir()) == []
 
 
+def test_a_local_export_truncated_by_another_process_fails_alone(make_runtime, tmp_path,
+                                                                 local_dir):
+    # Any process of this user can truncate the shared file; serving it from a map would kill
+    # the sender (SIGBUS) at its next chunk. Only this export fails, saying why.
+    sender, _ = _pair(make_runtime, tmp_path)
+    sender.prefill(PROMPT)
+    sender.snapshot('ctx', 'host')
+    digest = sender.state_digest()
+    manifest = sender.export_capsule('ctx', local=True)
+    whole = bytes(sender.exports.chunk(manifest.export_id, 0, manifest.total_bytes))
+    os.truncate(manifest.local_path, 100)
+    assert bytes(sender.exports.chunk(manifest.export_id, 0, 100)) == whole[:100]
+    with pytest.raises(InvalidRequestError, match='changed by another process'):
+        sender.exports.chunk(manifest.export_id, 64, 4096)
+    again = sender.export_capsule('ctx')  # the runtime goes on serving
+    served = sender.exports.chunk(again.export_id, 0, again.total_bytes)
+    assert len(served) == again.total_bytes == len(whole)
+    sender.prefill(' more')
+    sender.restore('ctx')
+    assert sender.state_digest() == digest
+
+
 def test_a_tampered_local_export_fails_the_checksum(make_runtime, tmp_path, local_dir):
     sender, receiver = _pair(make_runtime, tmp_path)
     sender.prefill(PROMPT)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import mmap
 import os
 from pathlib import Path
 import secrets
@@ -117,7 +116,7 @@ class Exports:
                 f'(an idle one is dropped after {EXPORT_IDLE_S:.0f} s) and try again')
         export_id = secrets.token_hex(8)
         data = _write_local(export_id, cap, self.key) if local else None
-        path = data.obj.name if data is not None else ''
+        path = data.name if data is not None else ''
         if data is None:  # in memory (seals an unsealed capsule)
             data = memoryview(disk.encode(cap, self.key))
         with self._lock:
@@ -147,7 +146,7 @@ class Exports:
         with self._lock:
             entry = self._open.pop(export_id, None)
         if entry is not None:
-            _unlink(entry[0].local_path)
+            _drop(entry)
 
     def __len__(self) -> int:
         with self._lock:
@@ -157,28 +156,65 @@ class Exports:
     def _expire(self) -> None:
         now = self._clock()
         for export_id in [k for k, v in self._open.items() if now - v[2] > EXPORT_IDLE_S]:
-            _unlink(self._open.pop(export_id)[0].local_path)
+            _drop(self._open.pop(export_id))
 
     def close_all(self) -> None:
         """Drop every export (the runtime closes)."""
         with self._lock:
             entries, self._open = list(self._open.values()), {}
         for entry in entries:
-            _unlink(entry[0].local_path)
+            _drop(entry)
 
 
-class _Mapped(mmap.mmap):
-    """A read-only map of a local export that knows its file's name."""
+def _drop(entry: list) -> None:
+    """Free an export's bytes: close a local file and remove it."""
+    if isinstance(entry[1], LocalFile):
+        entry[1].close()
+    _unlink(entry[0].local_path)
 
-    name = ''
+
+class LocalFile:
+    """
+    A local export's bytes, read from its file by offset (data[a:b], len(data)).
+
+    Not a map of the file: any process of this user can truncate it, and reading a mapped
+    page past the new end kills the reader (SIGBUS). A read that comes back short instead
+    says that the file changed, and only that export fails.
+    """
+
+    def __init__(self, name: str, fd: int, size: int):
+        self.name, self._fd, self._size = name, fd, size
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, where: slice) -> bytes:
+        start, stop, _ = where.indices(self._size)
+        want = max(0, stop - start)
+        try:
+            data = os.pread(self._fd, want, start) if want else b''
+        except (OSError, ValueError) as exc:  # closed meanwhile, or an I/O error
+            raise InvalidRequestError(f'export file {self.name} cannot be read ({exc}); '
+                                      'ask for the manifest again') from exc
+        if len(data) != want:
+            raise InvalidRequestError(
+                f'export file {self.name} was changed by another process (read {len(data)} '
+                f'of {want} bytes at offset {start}); ask for the manifest again')
+        return data
+
+    def close(self) -> None:
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
 
 
-def _write_local(export_id: str, cap: Capsule, key: bytes | None) -> memoryview | None:
+def _write_local(export_id: str, cap: Capsule, key: bytes | None) -> LocalFile | None:
     """
     Write an export to LOCAL_DIR, readable by this user only; None where that fails.
 
     The capsule's header and blob go straight into the file (seals an unsealed capsule).
-    Returns the file mapped read-only: the export's bytes, for chunks too.
+    Returns the file, which also serves the export's chunks.
     """
     path = LOCAL_DIR / f'{LOCAL_PREFIX}{os.getpid()}-{export_id}'
     try:
@@ -187,19 +223,18 @@ def _write_local(export_id: str, cap: Capsule, key: bytes | None) -> memoryview 
         return None  # no shared memory here: the receiver reads the chunks
     try:
         head, blob = disk.file_parts(cap, key)
+        size = 0
         with os.fdopen(fd, 'r+b', buffering=0, closefd=False) as f:
-            for part in (memoryview(head), memoryview(blob.numpy())):
+            for part in (memoryview(head), memoryview(blob.numpy()).cast('B')):
                 done = 0
                 while done < len(part):
                     done += f.write(part[done:])
-        mapped = _Mapped(fd, 0, access=mmap.ACCESS_READ)
-        mapped.name = str(path)
-        return memoryview(mapped)
+                size += len(part)
+        return LocalFile(str(path), fd, size)
     except (OSError, ValueError):
+        os.close(fd)
         _unlink(str(path))
         return None
-    finally:
-        os.close(fd)
 
 
 def _unlink(path: str) -> None:
