@@ -6,10 +6,11 @@ runtime, and convert back. ~/interrupt and ~/reset are taken on the control path
 (control.py); the mode's inputs are subscribed on configure (inputs.py); what the session
 publishes goes through outputs.py. Two mutually exclusive callback groups: `ordered` takes
 what replaces the state or starts a turn (~/restore, ~/rollback, ~/prompt), one at a time
-in arrival order; `state` takes the rest that writes (~/snapshot, ~/fork, ~/delete_capsule,
-the mode's inputs, the control timer), so an e-stop never waits behind a snapshot's disk
-write or a listing. Cheap queries (list, digest, diagnostics) use a reentrant group, and
-capsule transfers one of their own (transfer.py). docs/architecture.md has more.
+in arrival order; `state` takes the mode's inputs and the control timer. ~/snapshot, ~/fork
+and ~/delete_capsule run side by side in a reentrant group, so an e-stop or a memory
+snapshot never waits behind a disk snapshot's write. Cheap queries (list, digest,
+diagnostics) use a reentrant group, and capsule transfers one of their own (transfer.py).
+docs/architecture.md has more.
 """
 
 import collections
@@ -64,6 +65,9 @@ class FlashRTNode(LifecycleNode):
         self.tune_switch_interval = False   # main() sets it (session/turns.py says why)
 
         self._state_group = MutuallyExclusiveCallbackGroup()
+        # ~/snapshot, ~/fork, ~/delete_capsule: side by side (the runtime and the store are
+        # thread-safe), so a memory snapshot never waits for a disk snapshot's write.
+        self._capsule_group = ReentrantCallbackGroup()
         self._ordered_group = MutuallyExclusiveCallbackGroup()
         self._query_group = ReentrantCallbackGroup()
         self._action_group = ReentrantCallbackGroup()
@@ -71,13 +75,13 @@ class FlashRTNode(LifecycleNode):
         # Diagnostics report in every state (also why the node is not active).
         self._diag_pub = self.create_publisher(DiagnosticArray, '/diagnostics', DIAGNOSTICS_QOS)
 
-        state, ordered, query = self._state_group, self._ordered_group, self._query_group
+        capsules, ordered, query = self._capsule_group, self._ordered_group, self._query_group
         for srv_type, name, callback, group in (
-                (Snapshot, '~/snapshot', self._snapshot_callback, state),
+                (Snapshot, '~/snapshot', self._snapshot_callback, capsules),
                 (Restore, '~/restore', self._restore_callback, ordered),
-                (Fork, '~/fork', self._fork_callback, state),
+                (Fork, '~/fork', self._fork_callback, capsules),
                 (Rollback, '~/rollback', self._rollback_callback, ordered),
-                (DeleteCapsule, '~/delete_capsule', self._delete_callback, state),
+                (DeleteCapsule, '~/delete_capsule', self._delete_callback, capsules),
                 (ListCapsules, '~/list_capsules', self._list_callback, query),
                 (Trigger, '~/state_digest', self._digest_callback, query)):
             self.create_service(srv_type, name, callback, callback_group=group)

@@ -76,6 +76,32 @@ def test_an_interrupt_does_not_wait_for_a_disk_snapshot(hardened, monkeypatch, t
         assert client.delete_capsule(capsule).success
 
 
+def test_memory_snapshots_forks_and_deletes_do_not_wait_for_a_disk_snapshot(
+        hardened, monkeypatch):
+    client, _ = hardened
+    assert client.restore(HOME).success
+    gate = {'writing': threading.Event(), 'go_on': threading.Event()}
+    _block_disk_writes(monkeypatch, gate)
+    answers = []
+    saver = threading.Thread(target=lambda: answers.append(
+        client.snapshot('slow_on_disk', tier='disk', timeout=60.0)))
+    saver.start()
+    try:
+        assert gate['writing'].wait(10.0), 'the disk write never started'
+        for call in (lambda: client.snapshot('quick', tier='device', timeout=5.0),
+                     lambda: client.fork('quick', 'quick_copy', 'host', timeout=5.0),
+                     lambda: client.delete_capsule('quick_copy', timeout=5.0),
+                     lambda: client.delete_capsule('quick', timeout=5.0)):
+            response = call()  # a TimeoutError here: it waited behind the disk write
+            assert response.success, response.message
+        assert saver.is_alive(), 'the disk write was not held meanwhile'
+    finally:
+        gate['go_on'].set()
+        saver.join(30.0)
+    assert answers and answers[0].success, answers
+    assert client.delete_capsule('slow_on_disk').success
+
+
 @pytest.mark.parametrize('name, value', [('model', 'builtin:tiny-llama'),
                                          ('capsule_dir', '/tmp/elsewhere'),
                                          ('device', 'cuda'), ('disk_budget_bytes', 1),
