@@ -217,7 +217,7 @@ class CapsuleTransfer:
         feedback = ImportCapsule.Feedback(bytes_total=total)
         while not staging.complete:
             if goal_handle.is_cancel_requested:
-                for _, future in pending:
+                for _, _, future in pending:
                     chunk_cli.remove_pending_request(future)
                 self._close_export(source, m.export_id)
                 return False
@@ -226,12 +226,15 @@ class CapsuleTransfer:
                 last = next_offset + length == total
                 request = ExportChunk.Request(export_id=m.export_id, offset=next_offset,
                                               length=length, close=last)
-                pending.append((next_offset, chunk_cli.call_async(request)))
+                pending.append((next_offset, length, chunk_cli.call_async(request)))
                 next_offset += length
-            offset, future = pending.popleft()
+            offset, length, future = pending.popleft()
             answer = self._wait(chunk_cli, future, source, timeout)
             if not answer.success:
                 raise TransferFailed(f'{source} stopped serving the export: {answer.message}')
+            if len(answer.data) != length:
+                raise TransferFailed(f'{source} sent {len(answer.data)} bytes for the chunk of '
+                                     f'{length} bytes at offset {offset}')
             staging.add(offset, answer.data)
             feedback.bytes_received = staging.received
             goal_handle.publish_feedback(feedback)
@@ -249,11 +252,16 @@ class CapsuleTransfer:
         with self._clients_lock:
             clients = self._clients.get(source)
             if clients is None:
-                clients = (
-                    self._node.create_client(ExportManifest, f'{source}/export_manifest',
-                                             callback_group=self._group),
-                    self._node.create_client(ExportChunk, f'{source}/export_chunk',
-                                             callback_group=self._group))
+                try:
+                    clients = (
+                        self._node.create_client(ExportManifest, f'{source}/export_manifest',
+                                                 callback_group=self._group),
+                        self._node.create_client(ExportChunk, f'{source}/export_chunk',
+                                                 callback_group=self._group))
+                except Exception as exc:  # rclpy's name validation: InvalidServiceNameException
+                    raise TransferFailed(
+                        f'source_node {source!r} is not a valid node name ({exc}); give it '
+                        'like /left_arm/flashrt') from None
                 self._clients[source] = clients
                 while len(self._clients) > MAX_SOURCES:
                     for client in self._clients.popitem(last=False)[1]:

@@ -626,7 +626,7 @@ class Runtime:
         validate_name(name)
         validate_tier(tier)
         self._check_open()
-        check_manifest(manifest, self.fingerprint, self.arena.manifest)
+        check_manifest(manifest, self.fingerprint, self.arena.manifest, self.arena.nbytes)
         size = manifest.total_bytes if tier == 'disk' else manifest.state_bytes
         self.store.check_room(tier, size, name)
         return Staging(manifest)

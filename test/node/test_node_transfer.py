@@ -334,3 +334,11 @@ def test_import_refused_onto_the_home_capsule(nodes, context):
     right = clients[RIGHT]
     result = right.import_capsule(LEFT, 'ctx', name=HOME)
     assert not result.success and 'home capsule' in result.message, result.message
+
+
+@pytest.mark.parametrize('source', ['/bad name!/flashrt', '/left//flashrt', '/9lives/x'])
+def test_a_source_node_that_is_no_node_name_is_refused_saying_so(nodes, source):
+    clients, _ = nodes
+    result = clients[RIGHT].import_capsule(source, 'ctx', name='nowhere')
+    assert not result.success and 'internal error' not in result.message, result.message
+    assert 'source_node' in result.message and 'nothing was stored' in result.message

@@ -7,7 +7,7 @@ import stat
 
 from flashrt_ros.runtime.errors import BudgetExceededError, CapsuleNotFoundError
 from flashrt_ros.runtime.errors import CorruptCapsuleError, FingerprintMismatchError
-from flashrt_ros.runtime.errors import InvalidRequestError
+from flashrt_ros.runtime.errors import FlashRTError, InvalidRequestError
 from flashrt_ros.runtime.state import transfer
 from flashrt_ros.runtime.state.capsule import Origin
 import pytest
@@ -214,6 +214,29 @@ def test_a_local_export_is_read_from_shared_memory_and_verified(make_runtime, tm
     assert not path.exists()  # the file goes with the export
     assert sender.export_capsule('ctx').local_path == ''  # not asked for: no file
     assert list(local_dir.iterdir()) == []
+
+
+def test_a_malformed_manifest_is_refused_saying_what_is_wrong(make_runtime, tmp_path):
+    sender, receiver = _pair(make_runtime, tmp_path, host_budget_bytes=0)  # unlimited
+    sender.snapshot('ctx', 'host')
+    good = sender.export_capsule('ctx')
+    head = json.loads(good.header_json)
+    lying = dict(head, packing=dict(head['packing'], nbytes=10 ** 12))
+    cases = [
+        (dict(header_json='not json'), 'not JSON'),
+        (dict(header_json='null'), 'not a JSON object'),
+        (dict(header_json='[1, 2]'), 'not a JSON object'),
+        (dict(header_json=json.dumps({k: v for k, v in head.items() if k != 'packing'})),
+         'no state size'),
+        # A sender that says its state is huge: staging is bounded by this node's arena.
+        (dict(header_json=json.dumps(lying), total_bytes=10 ** 12), "this node's arena"),
+    ]
+    for change, words in cases:
+        with pytest.raises(FlashRTError, match=words):
+            receiver.begin_import(dataclasses.replace(good, **change), 'got', 'host')
+    assert receiver.list_capsules() == []
+    _move(sender, receiver, good)  # the real one still goes through
+    assert [c.name for c in receiver.list_capsules()] == ['got']
 
 
 def test_a_local_export_truncated_by_another_process_fails_alone(make_runtime, tmp_path,

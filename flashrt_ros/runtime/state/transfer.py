@@ -263,9 +263,17 @@ def _sweep_local() -> None:
             continue
 
 
-def check_manifest(manifest: Manifest, fingerprint: str, arena_manifest) -> None:
-    """Refuse a capsule of another model or layout before any of its bytes move."""
-    head = manifest.header
+def check_manifest(manifest: Manifest, fingerprint: str, arena_manifest,
+                   arena_nbytes: int) -> None:
+    """Refuse a capsule of another model or layout, or a malformed manifest, before any bytes."""
+    try:
+        head = manifest.header
+    except (TypeError, ValueError) as exc:
+        raise CorruptCapsuleError(f'the manifest of {manifest.name!r} has a header that is '
+                                  f'not JSON ({exc}); nothing was transferred') from exc
+    if not isinstance(head, dict):
+        raise CorruptCapsuleError(f'the manifest of {manifest.name!r} has a header that is not '
+                                  'a JSON object; nothing was transferred')
     ours = [e.to_json() for e in arena_manifest]
     if head.get('fingerprint') != fingerprint or head.get('manifest') != ours:
         raise FingerprintMismatchError(
@@ -278,10 +286,18 @@ def check_manifest(manifest: Manifest, fingerprint: str, arena_manifest) -> None
             f'capsule {manifest.name!r} comes in capsule format {head.get("format")!r}, this '
             f'release reads {disk.FORMAT_VERSION}; nothing was transferred: run the same '
             'flashrt_ros release on both nodes')
-    if not 0 < manifest.total_bytes <= manifest.state_bytes + disk.MAX_HEADER:
+    try:
+        state_bytes = manifest.state_bytes
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptCapsuleError(f'the manifest of {manifest.name!r} gives no state size '
+                                  f'({exc!r}); nothing was transferred') from exc
+    # Bounded by this node's own arena, not only by what the sender says its state is: a
+    # sender cannot make the receiver stage more than a capsule of this node can hold.
+    if not 0 < manifest.total_bytes <= min(state_bytes, arena_nbytes) + disk.MAX_HEADER:
         raise CorruptCapsuleError(
             f'capsule {manifest.name!r} is announced as {manifest.total_bytes} bytes for '
-            f'{manifest.state_bytes} bytes of state; nothing was transferred')
+            f'{state_bytes} bytes of state (this node\'s arena: {arena_nbytes} bytes); '
+            'nothing was transferred')
 
 
 class Staging:
