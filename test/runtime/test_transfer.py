@@ -223,13 +223,13 @@ def test_a_malformed_manifest_is_refused_saying_what_is_wrong(make_runtime, tmp_
     head = json.loads(good.header_json)
     lying = dict(head, packing=dict(head['packing'], nbytes=10 ** 12))
     cases = [
-        (dict(header_json='not json'), 'not JSON'),
-        (dict(header_json='null'), 'not a JSON object'),
-        (dict(header_json='[1, 2]'), 'not a JSON object'),
-        (dict(header_json=json.dumps({k: v for k, v in head.items() if k != 'packing'})),
+        ({'header_json': 'not json'}, 'not JSON'),
+        ({'header_json': 'null'}, 'not a JSON object'),
+        ({'header_json': '[1, 2]'}, 'not a JSON object'),
+        ({'header_json': json.dumps({k: v for k, v in head.items() if k != 'packing'})},
          'no state size'),
         # A sender that says its state is huge: staging is bounded by this node's arena.
-        (dict(header_json=json.dumps(lying), total_bytes=10 ** 12), "this node's arena"),
+        ({'header_json': json.dumps(lying), 'total_bytes': 10 ** 12}, "this node's arena"),
     ]
     for change, words in cases:
         with pytest.raises(FlashRTError, match=words):

@@ -296,7 +296,7 @@ def check_manifest(manifest: Manifest, fingerprint: str, arena_manifest,
     if not 0 < manifest.total_bytes <= min(state_bytes, arena_nbytes) + disk.MAX_HEADER:
         raise CorruptCapsuleError(
             f'capsule {manifest.name!r} is announced as {manifest.total_bytes} bytes for '
-            f'{state_bytes} bytes of state (this node\'s arena: {arena_nbytes} bytes); '
+            f"{state_bytes} bytes of state (this node's arena: {arena_nbytes} bytes); "
             'nothing was transferred')
 
 
