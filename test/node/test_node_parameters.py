@@ -1,9 +1,10 @@
 """Parameters as a user sets them: the command line, a parameter file, a set at run time."""
 
+import json
 import subprocess
 import sys
 
-from flashrt_ros.node import FlashRTNode
+from flashrt_ros.node import FlashRTNode, parameters
 import pytest
 import rclpy
 from rclpy.parameter import Parameter
@@ -11,6 +12,62 @@ from rclpy.signals import SignalHandlerOptions
 import yaml
 
 STRINGS = ['ab', 'c d', "it's"]
+
+
+def _other(p):
+    """Return a valid value of parameter `p` other than its default."""
+    if p.string_array:
+        return list(STRINGS)
+    if p.choices:
+        return next(c for c in p.choices if c != p.default)
+    if isinstance(p.default, bool):
+        return not p.default
+    if p.integer is not None:
+        low, high = p.integer
+        return p.default + 1 if p.default + 1 <= high else low
+    if p.floating is not None:
+        low, high = p.floating
+        return (p.default + high) / 2 if high > p.default else (low + p.default) / 2
+    if isinstance(p.default, float):
+        return p.default + 0.5
+    return {'model': 'builtin:tiny-llama', 'device': 'cuda:1'}.get(p.name, p.default + '_x')
+
+
+def _node(args):
+    """Return (context, node) of a node declared from command-line `args` (not configured)."""
+    context = rclpy.Context()
+    rclpy.init(context=context, args=['flashrt_node', '--ros-args', *args],
+               signal_handler_options=SignalHandlerOptions.NO)
+    return context, FlashRTNode(context=context)
+
+
+def test_every_parameter_takes_a_value_every_way(tmp_path):
+    """The whole table from the command line and a parameter file; writable ones at run time."""
+    values = {p.name: _other(p) for p in parameters.PARAMETERS if p.name != 'autostart'}
+    path = tmp_path / 'params.yaml'
+    path.write_text(yaml.safe_dump({'/**': {'ros__parameters': dict(values, autostart=False)}}))
+    command_line = ['-p', 'autostart:=false'] + [  # a JSON value is a YAML one
+        a for name, v in values.items() for a in ('-p', f'{name}:={json.dumps(v)}')]
+    for args in (command_line, ['--params-file', str(path)]):
+        context, node = _node(args)
+        try:
+            got = {name: node.get_parameter(name).value for name in values}
+            assert {k: list(v) if isinstance(v, (list, tuple)) else v
+                    for k, v in got.items()} == values, args[:2]
+        finally:
+            node.destroy_node()
+            rclpy.try_shutdown(context=context)
+    context, node = _node(['-p', 'autostart:=false'])
+    try:
+        for p in parameters.PARAMETERS:
+            if p.name == 'autostart':
+                continue
+            result = node.set_parameters([Parameter(p.name, value=values[p.name])])[0]
+            assert result.successful == (p.name not in parameters.READ_ONLY), (p.name,
+                                                                               result.reason)
+    finally:
+        node.destroy_node()
+        rclpy.try_shutdown(context=context)
 
 
 def _declared(tmp_path, args):

@@ -10,6 +10,7 @@ import time
 
 from action_msgs.msg import GoalStatus
 from flashrt_ros.node_process import NodeProcess
+from flashrt_ros.runtime.state.transfer import DEFAULT_CHUNK_BYTES
 from node_harness import EventLog, HOME, set_parameter, wait_active, wait_until
 import pytest
 
@@ -160,10 +161,12 @@ class _Tamperer:
     A sender that relays the left node's export but flips one byte of the last chunk.
 
     It serves the same two services under its own node name, so the receiver runs its real
-    receive path against bytes that went bad in transit.
+    receive path against bytes that went bad in transit. short=True: it drops the last 3
+    bytes of the first chunk instead.
     """
 
-    def __init__(self):
+    def __init__(self, short=False):
+        self.short = short
         import rclpy
         from flashrt_ros.srv import ExportChunk, ExportManifest
         from rclpy.callback_groups import ReentrantCallbackGroup
@@ -209,7 +212,10 @@ class _Tamperer:
     def _relay_chunk(self, request, response):
         answer = self._forward(self._chunk, request)
         end = request.offset + len(answer.data)
-        if answer.success and len(answer.data) and end == self.total:
+        if self.short and answer.success and request.offset == 0:
+            answer.data = array.array('B', answer.data)[:-3]
+            self.flipped += 1
+        elif answer.success and len(answer.data) and end == self.total and not self.short:
             data = array.array('B', answer.data)
             data[-10] ^= 0x01  # one bit of the state bytes, near the end
             answer.data = data
@@ -244,6 +250,26 @@ def test_corrupted_chunk_refused_at_the_checksum(nodes, context):
     assert 'nothing was stored' in result.message
     assert _listing(right) == before and right.state_digest() == digest
     assert not right.restore('tampered').success
+
+
+def test_a_chunk_of_the_wrong_length_is_refused_saying_so(nodes, context):
+    clients, _ = nodes
+    right = clients[RIGHT]
+    assert right.restore(HOME).success
+    digest, before = right.state_digest(), _listing(right)
+    tamperer = _Tamperer(short=True)  # (the receiver's closing call relays offset 0 too)
+    assert set_parameter(right, 'transfer_timeout', 15.0).successful
+    try:
+        with _dds_chunks(right):
+            result = right.import_capsule('/tamper/flashrt', 'ctx', name='short', tier='host')
+    finally:
+        set_parameter(right, 'transfer_timeout', MODEL['transfer_timeout'])
+        tamperer.close()
+    assert tamperer.flipped >= 1, result.message
+    assert not result.success and 'internal error' not in result.message, result.message
+    chunk = DEFAULT_CHUNK_BYTES  # the receiver's transfer_chunk_bytes
+    assert f'sent {chunk - 3} bytes for the chunk of {chunk} bytes at offset 0' in result.message
+    assert _listing(right) == before and right.state_digest() == digest
 
 
 def test_sender_killed_mid_transfer_leaves_receiver_unchanged(nodes, tmp_path_factory):
