@@ -176,6 +176,9 @@ PARAMETERS = (
     Param('transfer_timeout', 10.0,
           'Seconds an import waits for each answer of the source node before it gives up '
           '(nothing is stored then).', floating=(0.1, 600.0)),
+    Param('transfer_deadline', 120.0,
+          'Seconds a whole import may take (and after 5 s it must average 64 KiB/s) before it '
+          'is given up (nothing is stored then).', floating=(0.5, 86400.0)),
     Param('stepping', 'observation',
           'Policy mode. observation: one control step per observation message, whole chunk '
           'published; timer: control_rate timer steps on the newest observation and publishes '

@@ -31,6 +31,10 @@ from . import messages
 
 # Chunk requests in flight at once: the next chunk is on its way while one is copied in.
 WINDOW = 4
+# A source slower than this after the grace period is given up on: a sender that drips
+# chunks just inside transfer_timeout must not hold the import slot and its staging memory.
+MIN_RATE_BYTES_S = 64 << 10
+RATE_GRACE_S = 5.0
 MAX_SOURCES = 16  # cached clients of source nodes; the oldest go beyond this
 
 
@@ -213,6 +217,8 @@ class CapsuleTransfer:
         m, total = staging.manifest, staging.manifest.total_bytes
         size = int(self._node.get_parameter('transfer_chunk_bytes').value)
         timeout = float(self._node.get_parameter('transfer_timeout').value)
+        deadline = float(self._node.get_parameter('transfer_deadline').value)
+        started = time.monotonic()
         pending, next_offset = collections.deque(), 0
         feedback = ImportCapsule.Feedback(bytes_total=total)
         while not staging.complete:
@@ -236,6 +242,7 @@ class CapsuleTransfer:
                 raise TransferFailed(f'{source} sent {len(answer.data)} bytes for the chunk of '
                                      f'{length} bytes at offset {offset}')
             staging.add(offset, answer.data)
+            _check_pace(source, staging, time.monotonic() - started, deadline)
             feedback.bytes_received = staging.received
             goal_handle.publish_feedback(feedback)
         return True
@@ -294,3 +301,17 @@ class CapsuleTransfer:
             chunk_cli.call_async(ExportChunk.Request(export_id=export_id, close=True))
         except Exception:  # noqa: B902 - best effort; the export expires on its own anyway
             pass
+
+
+def _check_pace(source, staging, elapsed, deadline):
+    """Raise TransferFailed when an import is past its deadline or under the rate floor."""
+    received, total = staging.received, staging.manifest.total_bytes
+    if staging.complete:
+        return
+    if elapsed > deadline:
+        raise TransferFailed(f'the import did not finish within transfer_deadline ({deadline:g} '
+                             f's): {received} of {total} bytes came from {source}')
+    if elapsed > RATE_GRACE_S and received / elapsed < MIN_RATE_BYTES_S:
+        raise TransferFailed(f'{source} sends {received / elapsed / 1024:.1f} KiB/s, under the '
+                             f'floor of {MIN_RATE_BYTES_S >> 10} KiB/s ({received} of {total} '
+                             'bytes)')

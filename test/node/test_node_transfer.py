@@ -162,11 +162,12 @@ class _Tamperer:
 
     It serves the same two services under its own node name, so the receiver runs its real
     receive path against bytes that went bad in transit. short=True: it drops the last 3
-    bytes of the first chunk instead.
+    bytes of the first chunk instead; delay: it waits that long before each chunk (and
+    changes nothing).
     """
 
-    def __init__(self, short=False):
-        self.short = short
+    def __init__(self, short=False, delay=0.0):
+        self.short, self.delay = short, delay
         import rclpy
         from flashrt_ros.srv import ExportChunk, ExportManifest
         from rclpy.callback_groups import ReentrantCallbackGroup
@@ -210,12 +211,14 @@ class _Tamperer:
         return answer
 
     def _relay_chunk(self, request, response):
+        time.sleep(self.delay)
         answer = self._forward(self._chunk, request)
         end = request.offset + len(answer.data)
         if self.short and answer.success and request.offset == 0:
             answer.data = array.array('B', answer.data)[:-3]
             self.flipped += 1
-        elif answer.success and len(answer.data) and end == self.total and not self.short:
+        elif (answer.success and len(answer.data) and end == self.total and not self.short
+              and not self.delay):
             data = array.array('B', answer.data)
             data[-10] ^= 0x01  # one bit of the state bytes, near the end
             answer.data = data
@@ -269,6 +272,25 @@ def test_a_chunk_of_the_wrong_length_is_refused_saying_so(nodes, context):
     assert not result.success and 'internal error' not in result.message, result.message
     chunk = DEFAULT_CHUNK_BYTES  # the receiver's transfer_chunk_bytes
     assert f'sent {chunk - 3} bytes for the chunk of {chunk} bytes at offset 0' in result.message
+    assert _listing(right) == before and right.state_digest() == digest
+
+
+def test_a_dripping_sender_is_given_up_at_the_deadline(nodes, context):
+    clients, _ = nodes
+    right = clients[RIGHT]
+    assert right.restore(HOME).success
+    digest, before = right.state_digest(), _listing(right)
+    tamperer = _Tamperer(delay=1.0)  # each chunk well inside transfer_timeout
+    assert set_parameter(right, 'transfer_deadline', 0.5).successful
+    try:
+        with _dds_chunks(right):
+            result = right.import_capsule('/tamper/flashrt', 'ctx', name='drip', tier='host')
+    finally:
+        set_parameter(right, 'transfer_deadline', 120.0)
+        tamperer.close()
+    if result.success:  # leave no capsule behind for the tests after this one
+        right.delete_capsule('drip')
+    assert not result.success and 'transfer_deadline (0.5 s)' in result.message, result.message
     assert _listing(right) == before and right.state_digest() == digest
 
 
