@@ -154,6 +154,22 @@ def test_the_manifest_describes_the_capsule(make_runtime, tmp_path):
     assert manifest.position == len(PROMPT) and manifest.state_bytes == info.nbytes
     assert head['manifest'] and manifest.total_bytes > info.nbytes
     assert manifest.checksum == sender.verify_capsule('ctx').checksum
+    assert 'meta' not in head  # what was said stays out of the manifest
+
+
+def test_a_conversation_travels_but_not_in_the_manifest(make_runtime, tmp_path):
+    # The embedded default has a chat template: the prompt is the conversation's system turn.
+    sender = make_runtime('default', capsule_dir=str(tmp_path / 'sender'))
+    receiver = make_runtime('default', capsule_dir=str(tmp_path / 'receiver'))
+    secret = 'The door code is 4711.'
+    sender.prefill(secret)
+    sender.snapshot('ctx', 'host')
+    conversation = sender.conversation
+    manifest = sender.export_capsule('ctx')
+    assert '4711' not in manifest.header_json
+    _move(sender, receiver, manifest)
+    receiver.restore('got')
+    assert receiver.conversation == conversation and '4711' in str(conversation)
 
 
 def test_exports_expire_when_idle_and_are_bounded(local_dir):

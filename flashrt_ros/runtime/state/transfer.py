@@ -121,7 +121,7 @@ class Exports:
             data = memoryview(disk.encode(cap, self.key))
         with self._lock:
             manifest = Manifest(export_id, cap.name, len(data), cap.checksum,
-                                json.dumps(disk.header(cap), sort_keys=True), path)
+                                manifest_header(cap), path)
             self._open[export_id] = [manifest, data, self._clock()]
         return manifest
 
@@ -263,6 +263,19 @@ def _sweep_local() -> None:
             continue
 
 
+def manifest_header(cap: Capsule) -> str:
+    """
+    The capsule header a manifest carries: what a receiver checks compatibility with.
+
+    Not its metadata (`meta`: a conversation's messages, the system prompt): a peer that asks
+    for a manifest learns the model, layout, position and size, not what was said. The
+    checksum, which covers the metadata, still ties the bytes to the manifest.
+    """
+    head = disk.header(cap)
+    head.pop('meta', None)
+    return json.dumps(head, sort_keys=True)
+
+
 def check_manifest(manifest: Manifest, fingerprint: str, arena_manifest,
                    arena_nbytes: int) -> None:
     """Refuse a capsule of another model or layout, or a malformed manifest, before any bytes."""
@@ -401,8 +414,7 @@ class Staging:
                 'nothing was stored: transfer it again')
         # the checksum (and MAC) are checked here
         cap = disk.decode(name, self._buffer, key, self._hash)
-        if cap.checksum != m.checksum or (
-                json.dumps(disk.header(cap), sort_keys=True) != m.header_json):
+        if cap.checksum != m.checksum or manifest_header(cap) != m.header_json:
             raise CorruptCapsuleError(
                 f'the bytes received for capsule {m.name!r} are not the capsule its manifest '
                 'announced (another checksum or header); nothing was stored: transfer it again')
