@@ -265,7 +265,7 @@ def _sweep_local() -> None:
 
 def manifest_header(cap: Capsule) -> str:
     """
-    The capsule header a manifest carries: what a receiver checks compatibility with.
+    Return the capsule header a manifest carries: what a receiver checks compatibility with.
 
     Not its metadata (`meta`: a conversation's messages, the system prompt): a peer that asks
     for a manifest learns the model, layout, position and size, not what was said. The
