@@ -181,7 +181,7 @@ def test_exports_expire_when_idle_and_are_bounded(local_dir):
     shared = local_dir / f'{transfer.LOCAL_PREFIX}{os.getpid()}-x'
     shared.write_bytes(b'abcdef')
     exports._open['x'] = [transfer.Manifest('x', 'n', 6, '', '{}', str(shared)),
-                          memoryview(b'abcdef'), now[0]]
+                          memoryview(b'abcdef'), now[0], False]
     assert bytes(exports.chunk('x', 4, 10)) == b'ef'
     with pytest.raises(InvalidRequestError, match='outside export'):
         exports.chunk('x', 7, 1)
@@ -190,12 +190,18 @@ def test_exports_expire_when_idle_and_are_bounded(local_dir):
     now[0] += transfer.EXPORT_IDLE_S + 1
     assert len(exports) == 0 and not shared.exists()  # its shared copy went with it
     for i in range(transfer.MAX_EXPORTS):
-        exports._open[str(i)] = [transfer.Manifest(str(i), 'n', 0, '', '{}'), memoryview(b''),
-                                 now[0]]
+        exports._open[str(i)] = [transfer.Manifest(str(i), 'n', 1, '', '{}'),
+                                 memoryview(b'z'), now[0], False]
     with pytest.raises(InvalidRequestError, match='exports are open'):
         exports.add(object())  # refused before it is encoded
     exports.close('0')
     assert len(exports) == transfer.MAX_EXPORTS - 1
+    # Manifests asked for and never read from free their slots sooner than read ones.
+    exports.chunk('1', 0, 1)
+    now[0] += transfer.UNREAD_IDLE_S + 1
+    assert len(exports) == 1 and bytes(exports.chunk('1', 0, 1)) == b'z'
+    now[0] += transfer.EXPORT_IDLE_S + 1
+    assert len(exports) == 0
 
 
 @pytest.fixture

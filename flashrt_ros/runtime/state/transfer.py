@@ -48,6 +48,9 @@ from ..errors import InvalidRequestError
 DEFAULT_CHUNK_BYTES = 256 << 10
 MAX_CHUNK_BYTES = 16 << 20
 EXPORT_IDLE_S = 60.0  # an export nobody read from for this long is dropped
+# One never read from goes sooner: manifests asked for and left unread cannot hold every
+# export slot (a same-host receiver reads the shared file and closes it well within this).
+UNREAD_IDLE_S = 10.0
 MAX_EXPORTS = 8  # open exports per runtime (each holds one encoded capsule in memory)
 LOCAL_DIR = Path('/dev/shm')  # where same-host exports are shared (tmpfs: memory)
 LOCAL_PREFIX = 'flashrt-export-'  # + '<pid>-<export id>'
@@ -96,7 +99,7 @@ class Exports:
 
     def __init__(self, key: bytes | None, clock=time.monotonic):
         self.key, self._clock = key, clock
-        self._open: dict[str, list] = {}  # export_id -> [manifest, data, last_used]
+        self._open: dict[str, list] = {}  # export_id -> [manifest, data, last_used, read]
         self._lock = threading.Lock()
         _sweep_local()
 
@@ -113,7 +116,8 @@ class Exports:
         if full:  # checked before the encoding, which is most of an export's cost
             raise InvalidRequestError(
                 f'{MAX_EXPORTS} exports are open on this node; wait for one to finish '
-                f'(an idle one is dropped after {EXPORT_IDLE_S:.0f} s) and try again')
+                f'(an idle one is dropped after {EXPORT_IDLE_S:.0f} s, one never read from after '
+                f'{UNREAD_IDLE_S:.0f} s) and try again')
         export_id = secrets.token_hex(8)
         data = _write_local(export_id, cap, self.key) if local else None
         path = data.name if data is not None else ''
@@ -122,7 +126,7 @@ class Exports:
         with self._lock:
             manifest = Manifest(export_id, cap.name, len(data), cap.checksum,
                                 manifest_header(cap), path)
-            self._open[export_id] = [manifest, data, self._clock()]
+            self._open[export_id] = [manifest, data, self._clock(), False]
         return manifest
 
     def chunk(self, export_id: str, offset: int, length: int) -> memoryview:
@@ -134,7 +138,7 @@ class Exports:
                 raise CapsuleNotFoundError(
                     f'export {export_id!r} is not open here (finished, or idle for more than '
                     f'{EXPORT_IDLE_S:.0f} s); ask for the manifest again')
-            entry[2] = self._clock()
+            entry[2], entry[3] = self._clock(), True
         data = entry[1]
         if not (0 <= offset <= len(data)) or not (0 < length <= MAX_CHUNK_BYTES):
             raise InvalidRequestError(
@@ -155,7 +159,8 @@ class Exports:
 
     def _expire(self) -> None:
         now = self._clock()
-        for export_id in [k for k, v in self._open.items() if now - v[2] > EXPORT_IDLE_S]:
+        for export_id in [k for k, v in self._open.items()
+                          if now - v[2] > (EXPORT_IDLE_S if v[3] else UNREAD_IDLE_S)]:
             _drop(self._open.pop(export_id))
 
     def close_all(self) -> None:
