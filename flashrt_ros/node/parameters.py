@@ -25,7 +25,8 @@ RUNTIME_PARAMS = tuple(f.name for f in dataclasses.fields(RuntimeConfig))
 READ_ONLY = ('model', 'device', 'capsule_dir', 'device_budget_bytes', 'host_budget_bytes',
              'disk_budget_bytes', 'max_seq_len', 'rollback_depth', 'ring_budget_bytes',
              'eviction', 'home_capsule', 'protect_home', 'control_executor', 'control_priority',
-             'compute_threads')
+             'compute_threads', 'export_allowed')
+EXPORT_POLICIES = ('unpinned', 'all', 'none')
 # Each node keeps its disk capsules apart: {node} is its fully qualified name.
 DEFAULT_CAPSULE_DIR = '~/.cache/flashrt_ros/capsules/{node}'
 _RUNTIME_DEFAULTS = RuntimeConfig()
@@ -176,6 +177,10 @@ PARAMETERS = (
     Param('transfer_timeout', 10.0,
           'Seconds an import waits for each answer of the source node before it gives up '
           '(nothing is stored then).', floating=(0.1, 600.0)),
+    Param('export_allowed', 'unpinned',
+          'Which capsules peers may pull with ~/export_manifest: unpinned (every capsule but '
+          'the pinned ones, such as home with its system prompt), all, or none.',
+          choices=EXPORT_POLICIES),
     Param('transfer_deadline', 120.0,
           'Seconds a whole import may take (and after 5 s it must average 64 KiB/s) before it '
           'is given up (nothing is stored then).', floating=(0.5, 86400.0)),

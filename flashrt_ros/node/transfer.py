@@ -20,7 +20,7 @@ import time
 
 from flashrt_ros.action import ImportCapsule
 from flashrt_ros.qos import FEEDBACK_QOS
-from flashrt_ros.runtime import FlashRTError
+from flashrt_ros.runtime import FlashRTError, InvalidRequestError
 from flashrt_ros.runtime.state.capsule import Origin
 from flashrt_ros.runtime.state.transfer import host_id, Manifest
 from flashrt_ros.srv import ExportChunk, ExportManifest
@@ -79,8 +79,9 @@ class CapsuleTransfer:
         t0 = time.perf_counter()
         local = bool(request.host_id) and request.host_id == self._host
         try:
-            m = rt.export_capsule(request.name, local=local)
             info = rt.store.peek(request.name).info()
+            _check_export_allowed(self._node.get_parameter('export_allowed').value, info)
+            m = rt.export_capsule(request.name, local=local)
         except FlashRTError as exc:
             response.success, response.message = False, str(exc)
             self._node.get_logger().warning(f'export {request.name!r} refused: {exc}')
@@ -315,3 +316,14 @@ def _check_pace(source, staging, elapsed, deadline):
         raise TransferFailed(f'{source} sends {received / elapsed / 1024:.1f} KiB/s, under the '
                              f'floor of {MIN_RATE_BYTES_S >> 10} KiB/s ({received} of {total} '
                              'bytes)')
+
+
+def _check_export_allowed(policy, info):
+    """Raise InvalidRequestError unless `policy` (export_allowed) lets capsule `info` out."""
+    if policy == 'all' or (policy == 'unpinned' and not info.pinned):
+        return
+    why = ('exports are off on this node' if policy == 'none' else
+           f'capsule {info.name!r} is pinned (the home capsule is), and only unpinned capsules '
+           'are exported')
+    raise InvalidRequestError(f'{why} (export_allowed: {policy}); start the sender with '
+                              'another export_allowed to allow it')

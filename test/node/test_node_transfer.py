@@ -377,6 +377,17 @@ def test_import_while_generating_keeps_the_turn_intact(nodes, context):
     assert right.delete_capsule('during_turn').success
 
 
+def test_a_pinned_capsule_is_not_exported_by_default(nodes, context):
+    clients, _ = nodes
+    right = clients[RIGHT]
+    before = _listing(right)
+    result = right.import_capsule(LEFT, HOME, name='their_home', tier='host')
+    assert not result.success and 'export_allowed: unpinned' in result.message, result.message
+    assert 'pinned' in result.message and _listing(right) == before
+    left = clients[LEFT]
+    assert not set_parameter(left, 'export_allowed', 'all').successful  # read-only
+
+
 def test_import_refused_onto_the_home_capsule(nodes, context):
     clients, _ = nodes
     right = clients[RIGHT]
