@@ -264,8 +264,10 @@ def test_an_armed_preemption_never_aborts_another_runtime(make_runtime):
     handle = _layers(a)[0].register_forward_pre_hook(block)
     gen = a.generate(prompt=OTHER, max_new_tokens=200, stop=(), eos=False)
     a_thread = threading.Thread(target=lambda: [None for _ in gen])
-    a_thread.start()
+    # Held from the first module call: its decode steps run compiled (no layer calls), so a
+    # prompt that got through before the hold was set would never be met.
     hold.set()
+    a_thread.start()
     assert held.wait(30), 'runtime A never reached its forward'
     outcome = {}
     preempt = threading.Thread(target=lambda: outcome.update(
