@@ -86,18 +86,12 @@ class ControlPath:
                              context=node.context, use_global_arguments=False,
                              start_parameter_services=False, enable_rosout=False)
             create = self.host.create_subscription
-        self.topics = (interrupt_topic, reset_topic)
         create(Interrupt, interrupt_topic, with_info(self._interrupt_callback), INTERRUPT_QOS,
                event_callbacks=event_callbacks)
         create(Empty, reset_topic, with_info(self._reset_callback), COMMAND_QOS)
         if kind != 'shared':
             # Woken by barrier(): runs after the subscriptions ready in the same wake-up.
             self._wake = self.host.create_guard_condition(self._barrier_callback)
-
-    @property
-    def node_name(self):
-        """Return the fully qualified name of the node that holds the subscriptions."""
-        return self.host.get_fully_qualified_name()
 
     def start(self, logger, stopping, priority=0):
         """Spin the control executor on a thread of its own (nothing to do for 'shared')."""

@@ -54,13 +54,18 @@ class EventPublisher:
                 event = CapsuleEvent(**fields)
                 event.header.stamp = stamp.to_msg()
                 if stages:
-                    received = stages[0][1]
-                    event.stage_names = [name for name, _ in stages[1:]] + ['published']
-                    event.stage_ms = [(t - received) * 1e3 for _, t in stages[1:]] + [
-                        (time.time() - received) * 1e3]
+                    after = after_receipt(stages + [('published', time.time())])
+                    event.stage_names = list(after)
+                    event.stage_ms = list(after.values())
                 self._pub.publish(event)
             except Exception as exc:  # e.g. the context shut down under us; keep the thread
                 self._logger.warning(f'could not publish a capsule event: {exc!r}')
+
+
+def after_receipt(stages):
+    """Return {stage: ms after receipt} of [('received', wall), (stage, wall), ...]."""
+    received = stages[0][1]
+    return {name: (t - received) * 1e3 for name, t in stages[1:]}
 
 
 class StageStats:
@@ -72,9 +77,9 @@ class StageStats:
 
     def add(self, stages):
         """Count one interrupt's [('received', wall), (stage, wall), ...]."""
-        received = stages[0][1]
+        after = after_receipt(stages)
         with self._lock:
-            self._recent.append({name: (t - received) * 1e3 for name, t in stages[1:]})
+            self._recent.append(after)
 
     def values(self):
         """Return {key: text} for /diagnostics (empty before the first interrupt)."""

@@ -19,7 +19,7 @@ from .control import received_time, with_info
 
 
 class ModeInputs:
-    """The subscriptions of one mode; what() names the input for the log."""
+    """The subscriptions of one mode; `what` names its input in the log."""
 
     what = 'input'
 

@@ -173,21 +173,23 @@ def read_delayed(rt, should_stop=None) -> FedAudio:
     adapter, spec = rt.adapter, rt.adapter.spec
     saved = rt.codec.capture('flush', 'device')
     try:
-        events = FedAudio()
+        events, tail_cut = FedAudio(), False
         resampler = adapter.resampler
         if resampler.rate and resampler.rate != spec.sample_rate:
             # the resampler's lookahead: silence at the input rate brings out its last samples
             tail = torch.zeros(2 * resampler.size, device=rt.device)
             if rt.cursor.position + frames_needed(
                     rt, resampler.count(tail.numel(), resampler.rate)) < rt.config.max_seq_len:
-                events += _feed_frames(rt, tail, resampler.rate, False, should_stop)
+                tail_events = _feed_frames(rt, tail, resampler.rate, False, should_stop)
+                events += tail_events
+                tail_cut = tail_events.cut
         frames = math.ceil(spec.text_delay_s * spec.sample_rate / spec.frame_size)
         silence = frames * spec.frame_size + (spec.frame_size - adapter.samples) % spec.frame_size
         silence = min(silence, (rt.config.max_seq_len - rt.cursor.position - 1) * spec.frame_size)
         silence = torch.zeros(max(silence, 0), device=rt.device)
         rest = _feed_frames(rt, silence, None, False, should_stop)
         events += rest
-        events.cut = rest.cut or (should_stop is not None and should_stop())
+        events.cut = tail_cut or rest.cut
         return events
     finally:
         rt.codec.apply(saved)

@@ -33,7 +33,7 @@ class Request:
 
     def __init__(self, run: Callable[[bool], Any], stages: dict | None):
         self.run = run  # run(from_newest) -> result, with the step lock held
-        self.stages = {} if stages is None else stages  # stage -> time.perf_counter()
+        self.stages = {} if stages is None else stages  # stage -> time.time()
         self.done = False
         self.result = None
         self.error: BaseException | None = None
@@ -101,7 +101,7 @@ class WriterSlot:
         Return run(from_newest) run with the step lock held, ending a running turn first.
 
         run must check first that the runtime is still open (close may run while this
-        waits). stages, when given, gets time.perf_counter() at 'armed' (the request
+        waits). stages, when given, gets time.time() at 'armed' (the request
         visible to the step), 'step_left' (the state is this request's) and 'copied'
         (run returned).
         """
@@ -113,14 +113,14 @@ class WriterSlot:
                 arm(1)
             try:
                 self._request = request
-                request.stages['armed'] = time.perf_counter()
+                request.stages['armed'] = time.time()
                 with self.lock:
                     self._request = None
                     if not request.done:  # no step was running: a boundary, or idle
-                        request.stages['step_left'] = time.perf_counter()
+                        request.stages['step_left'] = time.time()
                         turn = self.turn
                         result = run(turn is not None and self._end_turn(turn, False))
-                        request.stages['copied'] = time.perf_counter()
+                        request.stages['copied'] = time.time()
                         return result
             finally:
                 self._request = None
@@ -145,11 +145,11 @@ class WriterSlot:
         was armed) the last committed boundary is put back instead.
         """
         request = self._request
-        request.stages['step_left'] = time.perf_counter()
+        request.stages['step_left'] = time.time()
         from_newest = self._end_turn(turn, torn)
         try:
             request.result = request.run(from_newest)
-            request.stages['copied'] = time.perf_counter()
+            request.stages['copied'] = time.time()
         except Exception as exc:
             request.error = exc
             if torn:

@@ -113,23 +113,19 @@ class Interrupts:
             if turn is not None:
                 with self._turns.replace_lock:  # after its start_from or save_as, if begun
                     turn.replaced_by = f'{who} {what}'
-            runtime_stages = {}
             stages['checked'] = time.time()
             try:
                 if mode == InterruptMode.ROLLBACK:
-                    info = self._rt.rollback(boundaries, preempt=True, stages=runtime_stages)
+                    info = self._rt.rollback(boundaries, preempt=True, stages=stages)
                     message = f'stopped and rolled back {boundaries} to position {info.position}'
                 else:
-                    info = self._rt.restore(capsule, preempt=True, stages=runtime_stages)
+                    info = self._rt.restore(capsule, preempt=True, stages=stages)
                     message = f'stopped and restored {capsule!r} at position {info.position}'
             except Exception:
                 if turn is not None:
                     turn.replaced_by = ''  # refused (checked before anything stopped)
                 raise
             at = time.time(), self._out.now()
-            offset = time.time() - time.perf_counter()  # the runtime's stamps: perf_counter()
-            stages.update((k, v + offset) for k, v in runtime_stages.items()
-                          if isinstance(v, float))
             if turn is not None and not turn.done.wait(self._param('interrupt_timeout')):
                 message += '; the interrupted turn did not end within interrupt_timeout'
         return info, message, at

@@ -118,12 +118,9 @@ class SpeechMode(Mode):
     @contextlib.contextmanager
     def quiet(self):
         self._cut.set()  # a chunk being fed stops at its next frame and lets go of the gate
-        try:
-            with self._gate:
-                self._cut.clear()
-                yield
-        finally:
-            self._cut.clear()
+        with self._gate:
+            self._cut.clear()  # (here, not on the way out: another quiet() may wait by then)
+            yield
 
     def diagnostics(self, stats):
         return {'frame_step_ms': f'{(stats.control_step_s or 0.0) * 1e3:.3f}'}

@@ -265,7 +265,7 @@ def test_a_local_export_truncated_by_another_process_fails_alone(make_runtime, t
                                                                  local_dir):
     # Any process of this user can truncate the shared file; serving it from a map would kill
     # the sender (SIGBUS) at its next chunk. Only this export fails, saying why.
-    sender, _ = _pair(make_runtime, tmp_path)
+    sender = make_runtime(capsule_dir=str(tmp_path / 'sender'))
     sender.prefill(PROMPT)
     sender.snapshot('ctx', 'host')
     digest = sender.state_digest()
