@@ -282,11 +282,13 @@ def test_a_dripping_sender_is_given_up_at_the_deadline(nodes, context):
     digest, before = right.state_digest(), _listing(right)
     tamperer = _Tamperer(delay=1.0)  # each chunk well inside transfer_timeout
     assert set_parameter(right, 'transfer_deadline', 0.5).successful
+    assert set_parameter(right, 'transfer_timeout', 15.0).successful  # a relay on a loaded machine
     try:
         with _dds_chunks(right):
             result = right.import_capsule('/tamper/flashrt', 'ctx', name='drip', tier='host')
     finally:
         set_parameter(right, 'transfer_deadline', 120.0)
+        set_parameter(right, 'transfer_timeout', MODEL['transfer_timeout'])
         tamperer.close()
     if result.success:  # leave no capsule behind for the tests after this one
         right.delete_capsule('drip')
