@@ -27,5 +27,9 @@ AUDIO_QOS = QoSProfile(depth=200, **_RELIABLE)
 OBSERVATION_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1,
                              reliability=ReliabilityPolicy.BEST_EFFORT,
                              durability=DurabilityPolicy.VOLATILE)
+# Camera images: as ~/observation*; depth 2 lets a frame wait while its joint state arrives.
+IMAGE_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=2,
+                       reliability=ReliabilityPolicy.BEST_EFFORT,
+                       durability=DurabilityPolicy.VOLATILE)
 # /diagnostics: the system default (reliable, depth 10), what diagnostic_aggregator expects.
 DIAGNOSTICS_QOS = 10

@@ -9,9 +9,11 @@ to the session's mode; while the node is not active it says why the input was ig
 import functools
 
 from flashrt_ros.msg import AudioChunk
-from flashrt_ros.qos import AUDIO_QOS, COMMAND_QOS, OBSERVATION_QOS
+from flashrt_ros.qos import AUDIO_QOS, COMMAND_QOS, IMAGE_QOS, OBSERVATION_QOS
+from flashrt_ros.runtime import InvalidRequestError
+from flashrt_ros.runtime.modes.policy import image_from_bytes, IMAGE_PREFIX, STATE_KEY
 import numpy as np
-from sensor_msgs.msg import JointState
+from sensor_msgs.msg import Image, JointState
 from std_msgs.msg import Empty, Float32MultiArray, Int16MultiArray
 
 from . import messages
@@ -46,15 +48,34 @@ class ModeInputs:
 
 
 class ObservationInputs(ModeInputs):
-    """~/observation (JointState, by the policy's observation_names), ~/observation_vector."""
+    """
+    Take ~/observation, ~/observation_vector and one sensor_msgs/Image topic per camera.
+
+    ~/observation is a JointState read by the policy's observation_names; the cameras' topics
+    come from image_topics.
+
+    Each input goes to the mode's stamp matching (session/sync.py) with its header stamp (an
+    unstamped message, and a Float32MultiArray, get the time it was taken).
+    """
 
     what = 'observation'
 
     def __init__(self, node, mode, group):
         super().__init__(node, mode, group)
+        self.image_topics = image_topics(mode.image_keys, node.get_parameter(
+            'image_topics').value)  # first: a bad entry fails before anything is subscribed
         self._subscribe(JointState, '~/observation', self._joint_state, OBSERVATION_QOS)
         self._subscribe(Float32MultiArray, '~/observation_vector', self._vector,
                         OBSERVATION_QOS)
+        shapes = dict(mode.runtime.policy_spec.images)
+        for key, topic in self.image_topics.items():
+            self._subscribe(Image, topic, functools.partial(self._image, key, shapes[key]),
+                            IMAGE_QOS)
+
+    def _observe(self, mode, key, value, header, msg_info):
+        now = self._node.get_clock().now().nanoseconds * 1e-9
+        stamp = messages.seconds_of(header.stamp) if header is not None else 0.0
+        mode.observe_input(key, value, stamp or now, received_time(msg_info), now)
 
     def _joint_state(self, msg, msg_info):
         mode = self._taking()
@@ -65,12 +86,37 @@ class ObservationInputs(ModeInputs):
         except ValueError as exc:
             mode.reject_observation(str(exc))
             return
-        mode.observe(values, received_time(msg_info))
+        self._observe(mode, STATE_KEY, values, msg.header, msg_info)
 
     def _vector(self, msg, msg_info):
         mode = self._taking()
         if mode is not None:
-            mode.observe(list(msg.data), received_time(msg_info))
+            self._observe(mode, STATE_KEY, list(msg.data), None, msg_info)
+
+    def _image(self, key, shape, msg, msg_info):
+        mode = self._taking()
+        if mode is None:
+            return
+        try:
+            image = image_from_bytes(msg.data, msg.height, msg.width, msg.encoding, msg.step,
+                                     shape)
+        except InvalidRequestError as exc:
+            mode.reject_observation(f'{key}: {exc}', key=key)
+            return
+        self._observe(mode, key, image, msg.header, msg_info)
+
+
+def image_topics(keys, entries):
+    """Map each camera key to its topic: '<camera>=<topic>' entries, else ~/image/<camera>."""
+    cameras = {key[len(IMAGE_PREFIX):]: key for key in keys}
+    topics = {key: f'~/image/{camera}' for camera, key in cameras.items()}
+    for entry in entries:
+        camera, sep, topic = entry.partition('=')
+        if not sep or not topic or camera not in cameras:
+            raise ValueError(f'image_topics entry {entry!r} is not <camera>=<topic> with a '
+                             f'camera of this policy ({", ".join(cameras) or "none"})')
+        topics[cameras[camera]] = topic
+    return topics
 
 
 class AudioInputs(ModeInputs):

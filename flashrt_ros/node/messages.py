@@ -170,12 +170,18 @@ def joint_state_vector(msg, names):
     return values
 
 
-def action_chunk(step, rows, names, now):
-    """Build the ActionChunk of action rows [[a_0..a_A-1], ...]."""
+def action_chunk(step, rows, names, stamp, dt):
+    """Build the ActionChunk of action rows [[a_0..a_A-1], ...], `dt` seconds apart."""
     msg = ActionChunk(step=int(step), horizon=len(rows), action_dim=len(rows[0]),
-                      actions=[float(a) for row in rows for a in row], names=list(names))
-    msg.header.stamp = now
+                      actions=[float(a) for row in rows for a in row], names=list(names),
+                      dt=float(dt))
+    msg.header.stamp = stamp
     return msg
+
+
+def seconds_of(stamp):
+    """Return the seconds of a builtin_interfaces/Time."""
+    return stamp.sec + stamp.nanosec * 1e-9
 
 
 def joint_trajectory(rows, names, dt, field, now):

@@ -159,6 +159,7 @@ class FlashRTNode(LifecycleNode):
             t0 = time.perf_counter()
             runtime = Runtime(config, progress=self._progress)
             session = Session(runtime, self._param('mode'), self._param, self.outputs)
+            inputs = mode_inputs(self, session.mode, self._state_group)
         except Exception as exc:  # FlashRTError, or an import/OS error loading the model
             self._stage = ''
             self.get_logger().error(f'configure failed: {exc}; fix the parameters and configure '
@@ -180,7 +181,7 @@ class FlashRTNode(LifecycleNode):
         if period is not None:
             self._control_timer = self.create_timer(period, self._control_tick,
                                                     callback_group=self._state_group)
-        self._inputs = mode_inputs(self, session.mode, self._state_group)
+        self._inputs = inputs
         session.turns.tune_switch_interval = self.tune_switch_interval
         session.turns.start()
         self._session, self._goal_turns = session, session.turns

@@ -84,14 +84,15 @@ class RosOutputs(Outputs):
         if turn.handle is not None:
             turn.handle.publish_feedback(Generate.Feedback(chunk=chunk))
 
-    def actions(self, step, rows, names):
+    def actions(self, step, rows, names, stamp=None):
         """Publish action rows as an ActionChunk (and a JointTrajectory if enabled)."""
-        now, param = self._stamp(), self._node.get_parameter
-        self._actions.publish(messages.action_chunk(step, rows, names, now))
+        param = self._node.get_parameter
+        when = self._stamp() if stamp is None else messages.stamp(stamp)
+        dt = 1.0 / param('control_rate').value
+        self._actions.publish(messages.action_chunk(step, rows, names, when, dt))
         if self._trajectory is not None:
             self._trajectory.publish(messages.joint_trajectory(
-                rows, names, 1.0 / param('control_rate').value,
-                param('trajectory_field').value, now))
+                rows, names, dt, param('trajectory_field').value, when))
 
     def transcript(self, utterance, index, ids, text, final):
         try:

@@ -74,7 +74,7 @@ def _runtime(name, description, **constraints):
 
 
 # Read at configure too, though not part of RuntimeConfig.
-_AT_CONFIGURE = ('mode', 'stepping', 'control_rate')
+_AT_CONFIGURE = ('mode', 'stepping', 'control_rate', 'image_topics', 'sync_slop')
 
 PARAMETERS = (
     Param('autostart', True,
@@ -191,6 +191,19 @@ PARAMETERS = (
     Param('control_rate', 10.0,
           'Policy mode: control steps per second of the timer, and the spacing of '
           'JointTrajectory points.', floating=(0.1, 1000.0)),
+    Param('image_topics', [],
+          'Policy mode: the sensor_msgs/Image topic of each camera, as <camera>=<topic> '
+          'entries (<camera> as in the checkpoint key observation.images.<camera>); a '
+          'camera not named is read from ~/image/<camera>.',
+          string_array=True),
+    Param('sync_slop', 0.05,
+          'Policy mode: seconds by which the stamps of one observation (the joint state and '
+          'each camera image) may differ and still make one observation.',
+          floating=(0.0, 10.0)),
+    Param('max_observation_age', 1.0,
+          'Policy mode: an input stamped longer ago than this (seconds, node clock) is '
+          'refused, and so is an observation whose camera sent nothing for this long; 0 '
+          'turns both checks off.', floating=(0.0, 3600.0)),
     Param('publish_joint_trajectory', False,
           'Policy mode: also publish actions as trajectory_msgs/JointTrajectory on '
           '~/joint_trajectory (read at startup).'),

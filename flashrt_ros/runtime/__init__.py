@@ -13,7 +13,7 @@ from .errors import (
     InvalidRequestError,
 )
 from .generation import Generation, GenerationResult, TokenEvent
-from .policy_mode import ActionChunk
+from .modes.policy import ActionChunk
 from .runtime import Runtime
 from .state.capsule import CapsuleInfo
 from .stats import RuntimeStats

@@ -7,9 +7,6 @@ so one `replay()` runs a whole step with a single launch. Restores copy INTO the
 never re-bind it, so the graph stays valid across snapshot/restore/rollback. On CPU the
 same step runs eagerly over the same buffers (and a waiting preemption can abandon it at a
 module call: preemption.py).
-
-PolicyEngine is the robot-policy counterpart: observation(s) in, an action chunk out, and
-the chunk's queue of not-yet-executed actions kept in the arena. It runs eagerly.
 """
 
 from __future__ import annotations
@@ -19,9 +16,9 @@ import re
 
 import torch
 
-from .errors import FlashRTError, InvalidRequestError
+from .errors import FlashRTError
 from .inference import inference
-from .models.base import CausalLMAdapter, PolicyAdapter, PolicySpec
+from .models.base import CausalLMAdapter
 from .state.arena import StateSpec
 
 PREFILL_CHUNK = 2048  # tokens per prefill forward: bounds activation memory for long prompts
@@ -232,95 +229,3 @@ class Engine:
             x = x.scatter(0, order[drop], float('-inf'))
         probs = torch.softmax(x, dim=-1)
         return int(torch.multinomial(probs, 1, generator=generator))
-
-
-class PolicyEngine:
-    """
-    Runs a policy adapter over its bound state; the action chunk and its queue are arena state.
-
-    The queue of not-yet-executed actions is `chunk[horizon - left:]`: `left` counts down as
-    actions are taken and is 0 after a reset or a drop, so chunk and queue travel in every
-    capsule like the rest of the state.
-    """
-
-    CHUNK, LEFT = 'policy.actions', 'policy.actions_left'
-
-    def __init__(self, adapter: PolicyAdapter, views: dict[str, torch.Tensor]):
-        self.adapter = adapter
-        self.spec = adapter.spec
-        self.chunk = views[self.CHUNK]  # [H, A] fp32 arena view: the last action chunk
-        self.left = views[self.LEFT]  # [] int64 arena view: how many of its actions are queued
-        self.graph = None  # what Runtime.stats()/close() look at
-        self.replays = 0
-        self.graph_error = 'policy steps run eagerly (no CUDA graph capture yet)'
-
-    @classmethod
-    def state_specs(cls, spec: PolicySpec) -> list[StateSpec]:
-        return [StateSpec(cls.CHUNK, 'actions', (spec.horizon, spec.action_dim), torch.float32),
-                StateSpec(cls.LEFT, 'actions', (), torch.int64)]
-
-    def check(self, observation) -> torch.Tensor:
-        """Return observation(s) as a float32 [T, obs_dim] host tensor or raise."""
-        d = self.spec.obs_dim
-        try:
-            x = torch.as_tensor(observation, dtype=torch.float32, device='cpu')
-        except (TypeError, ValueError, RuntimeError) as exc:
-            message = f'observation must be a vector of {d} numbers ({exc})'
-            raise InvalidRequestError(message) from exc
-        shape = list(x.shape)
-        x = x.unsqueeze(0) if x.dim() == 1 else x  # [T, obs_dim]
-        if x.dim() != 2 or x.shape[0] == 0 or x.shape[1] != d:
-            raise InvalidRequestError(
-                f'observation has shape {shape}; expected [{d}] (or [T, {d}] for a history '
-                'of T observations)')
-        bad = (~torch.isfinite(x)).nonzero()
-        if len(bad):
-            raise InvalidRequestError(
-                f'observation holds NaN or Inf (first at index {bad[0].tolist()}, after '
-                'float32 conversion); rejected before it reached the state')
-        dtype = getattr(self.adapter, 'dtype', torch.float32)
-        if dtype.is_floating_point and x.abs().max() > torch.finfo(dtype).max:
-            raise InvalidRequestError(
-                f'observation value {x.abs().max().item():g} overflows the model dtype '
-                f'{dtype} (largest {torch.finfo(dtype).max:g}); scale the observation or run '
-                'the model in float32')
-        return x
-
-    @torch.no_grad()  # the adapter picks its own mode; the chunk handed out is a plain tensor
-    def step(self, observations: torch.Tensor, position: int,
-             generator: torch.Generator) -> torch.Tensor:
-        """Fold [T, obs_dim] observations in; the new chunk [H, A] becomes the queue."""
-        x = observations.to(self.chunk.device)
-        for start in range(0, x.shape[0], PREFILL_CHUNK):
-            actions = self.adapter.act(x[start:start + PREFILL_CHUNK], position + start,
-                                       generator)  # [H, A]
-        if not torch.isfinite(actions).all():  # never queued for a robot: the caller's guard
-            raise FlashRTError(                # puts the last committed state back
-                'the policy produced NaN or Inf actions; none were queued and the state is '
-                'back at the last committed boundary; check the observation scale and the '
-                'model (dtype, weights)')
-        self.chunk.copy_(actions)
-        self.left.fill_(self.spec.horizon)
-        return self.chunk.to('cpu', copy=True)  # never hand out the arena view itself
-
-    def queued(self) -> torch.Tensor:
-        """Return a host copy of the not-yet-executed actions [n, A]."""
-        return self.chunk[self.spec.horizon - int(self.left):].to('cpu', copy=True)
-
-    def pop(self) -> torch.Tensor | None:
-        """Take the next queued action [A] (None when the queue is empty)."""
-        n = int(self.left)
-        if n == 0:
-            return None
-        action = self.chunk[self.spec.horizon - n].to('cpu', copy=True)
-        self.left.sub_(1)
-        return action
-
-    def drop(self) -> int:
-        """Empty the queue; return how many actions it held."""
-        n = int(self.left)
-        self.left.zero_()
-        return n
-
-    def drop_graph(self) -> None:
-        pass

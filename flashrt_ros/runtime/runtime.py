@@ -15,7 +15,7 @@ generation claims the slot from generate() until it finishes, and state-changing
 meanwhile raise BusyError instead of waiting for an unbounded stream to end, unless they
 preempt it (restore/rollback with preempt=True: WriterSlot.preempt).
 
-Policy mode (a robot policy model: policy_mode.py): act(observation) replaces prefill and
+Policy mode (a robot policy model: modes/policy.py): act(observation) replaces prefill and
 generate; snapshot/restore/fork/rollback/kv_only are the same code for both modes.
 
 Conversations (chat.py): with a tokenizer's chat template (prompt_format auto or chat), a
@@ -36,7 +36,7 @@ import torch
 
 from .chat import chat_template, RAW, TurnPlan
 from .config import RuntimeConfig, TIERS
-from .engine import Engine, PolicyEngine
+from .engine import Engine
 from .errors import BusyError, CapsuleNotFoundError, ConfigError, FlashRTError
 from .errors import InvalidNameError, InvalidRequestError
 from .generation import check_fits, check_vocab, Generation, prefill_ids, prompt_ids, Sampling
@@ -45,7 +45,7 @@ from .models.hf import checkpoint_dtype, GenerationDefaults, load_adapter, resol
 from .models.policy import is_policy_model, load_policy
 from .models.speculative import MTPAdapter
 from .models.speech import is_speech_model, KyutaiSTTAdapter, load_speech, SpeechSpec
-from .policy_mode import ActionChunk, control_step
+from .modes.policy import ActionChunk, control_step, PolicyDriver
 from .preemption import end_turn, recover_torn
 from .speculation import attach, Speculator
 from .speech_mode import check_audio, FedAudio, feed_samples, read_delayed, warm_speech
@@ -133,15 +133,17 @@ class Runtime:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         specs = adapter.state_specs() + (
-            PolicyEngine.state_specs(adapter.spec) if self.is_policy
+            PolicyDriver.state_specs(adapter.spec) if self.is_policy
             else Engine.state_specs(adapter.vocab_size, config.max_seq_len))
         progress(f'binding the state to the arena ({len(specs)} tensors)')
-        self.arena = StateArena(specs, self.device, max_position=config.max_seq_len)
+        # A policy with no sequence state (ACT) has no rows: its episodes have no length bound.
+        rows = not self.is_policy or any(s.seq_dim is not None for s in specs)
+        self.arena = StateArena(specs, self.device, max_position=config.max_seq_len if rows else 0)
         # Capsule blobs on a CPU runtime reuse dropped ones' memory (no page faults).
         self._pool = BlobPool(2 * self.arena.nbytes) if self.device.type == 'cpu' else None
         adapter.bind(self.arena.views)
         if self.is_policy:
-            self.engine = PolicyEngine(adapter, self.arena.views)
+            self.engine = PolicyDriver(adapter, self.arena.views)
         else:
             self.engine = Engine(adapter, self.arena.views['logits'], self.arena.views['tokens'],
                                  config.cuda_graphs and not self.is_speech)  # speech: eager
@@ -248,10 +250,8 @@ class Runtime:
             try:
                 self.arena.zero_()
                 self.adapter.reset_meta()
-                if self.is_policy:  # a throwaway RNG: warm-up must not move the live one
-                    scratch = torch.Generator(device=self.device)
-                    self.engine.step(torch.zeros(2, self.adapter.spec.obs_dim), 0, scratch)
-                    self.engine.step(torch.zeros(1, self.adapter.spec.obs_dim), 2, scratch)
+                if self.is_policy:
+                    self.engine.warm(self.device)
                 elif self.is_speech:
                     warm_speech(self)
                 else:
@@ -432,21 +432,24 @@ class Runtime:
 
     def act(self, observation) -> ActionChunk:
         """
-        Fold one observation [obs_dim] (or a history [T, obs_dim]) into the state.
+        Fold one observation into the state (modes/policy.py says what one is).
 
+        observation: a dict of 'observation.state' ([obs_dim], or a history [T, obs_dim])
+        and 'observation.images.<camera>' [3, H, W] in [0, 1]; a plain vector is the state.
         The new action chunk replaces the pending queue; the state after it is a committed
-        boundary. A wrong shape, NaN or Inf raises InvalidRequestError before the state is
-        touched; so does a full episode (position == max_seq_len: reset or restore first).
+        boundary. A missing or unknown key, a wrong shape, NaN or Inf raises
+        InvalidRequestError before the state is touched; so does a full episode (a policy
+        with sequence state at position == max_seq_len: reset or restore first).
         """
         self._require_mode(policy=True)
-        observations = self.engine.check(observation)  # [T, obs_dim] float32, host
+        observations = self.engine.check(observation)  # float32 host tensors
         t0 = time.perf_counter()
         with self.writer.lock:
             self._check_idle()
             return control_step(self, observations, t0)
 
-    def check_observation(self, observation) -> torch.Tensor:
-        """Return the observation as float32 [T, obs_dim], or raise InvalidRequestError."""
+    def check_observation(self, observation) -> dict[str, torch.Tensor]:
+        """Return the observation as a dict of float32 tensors, or raise InvalidRequestError."""
         self._require_mode(policy=True)
         return self.engine.check(observation)
 

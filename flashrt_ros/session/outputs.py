@@ -19,8 +19,13 @@ class Outputs:
     def chunk(self, turn, index, ids, text, stop_reason, final=False):
         """Stream a chunk of a turn's tokens (index: of its first token in the turn)."""
 
-    def actions(self, step, rows, names):
-        """Publish action rows [[a_0 .. a_A-1], ...] of the control step `step`."""
+    def actions(self, step, rows, names, stamp=None):
+        """
+        Publish action rows [[a_0 .. a_A-1], ...] of the control step `step`.
+
+        stamp: the stamp of the observation they answer (seconds on the node's clock; None:
+        now).
+        """
 
     def transcript(self, utterance, index, ids, text, final):
         """Publish text tokens of a speech stream (index: frame of the first one)."""

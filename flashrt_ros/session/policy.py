@@ -15,8 +15,10 @@ import threading
 import time
 
 from flashrt_ros.runtime import FlashRTError, InvalidRequestError
+from flashrt_ros.runtime.modes.policy import STATE_KEY
 
 from .modes import Mode
+from .sync import ObservationSync
 
 STEPPINGS = ('observation', 'timer')
 
@@ -31,9 +33,14 @@ class PolicyMode(Mode):
     def __init__(self, runtime, param, outputs):
         super().__init__(runtime, param, outputs)
         self._timer_stepping = param('stepping') == 'timer'
-        self._gate = threading.RLock()  # guards the two fields below and taking one in
+        self._gate = threading.RLock()  # guards the fields below and taking one in
         self._latest = None             # newest valid observation (timer stepping)
         self._interrupted_at = 0.0      # wall time before which observations are stale
+        self._stamp = None              # stamp of the observation of the last chunk
+        spec = runtime.policy_spec
+        self._sync = ObservationSync([STATE_KEY] * bool(spec.obs_dim) +
+                                     [key for key, _ in spec.images], param('sync_slop'))
+        self._missing_said = {}         # input -> wall time its absence was last reported
 
     @staticmethod
     def serves(runtime):
@@ -51,39 +58,79 @@ class PolicyMode(Mode):
     def tick_period(self):
         return 1.0 / self._param('control_rate') if self._timer_stepping else None
 
-    def observe(self, values, received):
-        """Take an observation vector that the middleware received at wall time `received`."""
+    @property
+    def image_keys(self):
+        """'observation.images.<camera>' of each camera the policy takes."""
+        return [key for key, _ in self.runtime.policy_spec.images]
+
+    def observe_input(self, key, value, stamp, received, now):
+        """
+        Take one input (the state vector or one camera's image) stamped `stamp`.
+
+        Inputs are matched by stamp (sync.py, sync_slop); a complete match is observed. Times
+        are seconds: stamp and now on the node's clock, received wall time at the middleware.
+        A stale stamp (older than max_observation_age) or a camera silent for that long next
+        to the other inputs is refused on ~/events, and nothing is stepped.
+        """
+        if key not in self._sync.keys:
+            self.reject_observation(f'this policy takes no {key} (it takes '
+                                    f'{list(self._sync.keys)})', key=key)
+            return
+        age_limit = self._param('max_observation_age')
+        if age_limit > 0 and now - stamp > age_limit:
+            self.reject_observation(f'{key} is stamped {now - stamp:.3f} s ago, more than '
+                                    f'max_observation_age ({age_limit:g} s)', key=key)
+            return
+        with self._gate:
+            if received <= self._interrupted_at:
+                return  # sent before the last interrupt/reset: it belongs to the stopped episode
+            observation, found = self._sync.put(key, value, stamp)
+            if observation is None:  # `found` names the input with nothing near `stamp`
+                newest = self._sync.newest(found)
+                if age_limit > 0 and (newest is None or abs(now - newest) > age_limit):
+                    self.reject_observation(
+                        f'no {found} within sync_slop ({self._sync.slop:g} s) of {key} and '
+                        f'none in the last max_observation_age ({age_limit:g} s): is its topic '
+                        'publishing?', key=found)
+                return
+            self.observe(observation, received, found)
+
+    def observe(self, values, received, stamp=None):
+        """Take an observation (vector or dict) the middleware received at wall time `received`."""
         with self._gate:
             if received <= self._interrupted_at:
                 return  # sent before the last interrupt/reset: it belongs to the stopped episode
             if not self._timer_stepping:
-                self._step(values)
+                self._step(values, stamp)
                 return
             try:
                 self.runtime.check_observation(values)
             except FlashRTError as exc:
                 self.reject_observation(str(exc))
                 return
-            self._latest = values
+            self._latest = values, stamp
 
     def tick(self):
         rt = self.runtime
         with self._gate:
-            values, self._latest = self._latest, None
-            if values is not None:
-                self._step(values)
+            if self._latest is not None and (rt.policy_spec.replan == 'every_step'
+                                             or not len(rt.pending_actions())):
+                (values, stamp), self._latest = self._latest, None
+                self._step(values, stamp)
             try:
                 action = rt.next_action()
             except FlashRTError as exc:
                 self._out.log('warning', f'control tick: {exc}', throttle_s=5.0)
                 return
             if action is not None:
-                self._out.actions(rt.position, [action.tolist()], rt.policy_spec.joint_names)
+                self._out.actions(rt.position, [action.tolist()], rt.policy_spec.joint_names,
+                                  self._stamp)
 
     def forget_inputs(self, before=None):
         with self._gate:
             self._interrupted_at = max(self._interrupted_at, before or time.time())
             self._latest = None
+            self._sync.clear()
 
     def quiet(self):
         return self._gate
@@ -96,13 +143,19 @@ class PolicyMode(Mode):
     def diagnostics(self, stats):
         return {'control_step_ms': f'{stats.control_step_s * 1e3:.3f}'}
 
-    def reject_observation(self, reason):
+    def reject_observation(self, reason, key=None):
+        """Say why an observation was refused (log and ~/events; once a second per `key`)."""
+        if key is not None:
+            now = time.monotonic()
+            if now - self._missing_said.get(key, -1.0) < 1.0:
+                return
+            self._missing_said[key] = now
         message = (f'observation rejected: {reason}; state unchanged at step '
                    f'{self.runtime.position}')
         self._out.log('warning', message, throttle_s=1.0)
         self._out.event('observation', '', '', 0, 0.0, False, message)
 
-    def _step(self, values):
+    def _step(self, values, stamp):
         """Fold one observation in (a committed boundary); observation stepping publishes."""
         try:
             chunk = self.runtime.act(values)
@@ -114,5 +167,6 @@ class PolicyMode(Mode):
             self._out.log('error', message)
             self._out.event('observation', '', '', 0, 0.0, False, message)
             return
+        self._stamp = stamp
         if not self._timer_stepping:
-            self._out.actions(chunk.step, chunk.actions.tolist(), chunk.names)
+            self._out.actions(chunk.step, chunk.actions.tolist(), chunk.names, stamp)

@@ -17,6 +17,7 @@ SETTINGS = {
     'goal_policy': 'reject', 'interrupt_policy': 'stop', 'home_capsule': HOME,
     'interrupt_timeout': 5.0, 'max_new_tokens': 16, 'token_chunk': 1, 'stop_strings': [],
     'stepping': 'observation', 'control_rate': 50.0, 'protect_home': True,
+    'sync_slop': 0.05, 'max_observation_age': 1.0,
 }
 
 
@@ -37,6 +38,7 @@ class Recorder(Outputs):
 
     def __init__(self):
         self.events, self.chunks, self.actions_out, self.logs = [], [], [], []
+        self.action_stamps = []
         self.transcripts = []
         self.started = []
         self.gates = {}  # 'chunk:<index>', 'final', 'start', 'event:<operation>' -> Gate
@@ -63,8 +65,9 @@ class Recorder(Outputs):
                             'stop_reason': stop_reason, 'final': final, 'state': turn.state})
         self._gate('final' if final else f'chunk:{index}')
 
-    def actions(self, step, rows, names):
+    def actions(self, step, rows, names, stamp=None):
         self.actions_out.append((step, rows, list(names)))
+        self.action_stamps.append(stamp)
 
     def transcript(self, utterance, index, ids, text, final):
         self.transcripts.append({'utterance': utterance, 'index': index, 'ids': list(ids),

@@ -121,13 +121,19 @@ class CausalLMAdapter(StateAdapter):
 class PolicySpec:
     """What a policy consumes and produces; the node maps ROS messages with it."""
 
-    obs_dim: int
+    obs_dim: int  # length of 'observation.state' (0: the policy takes no state vector)
     action_dim: int
     horizon: int  # actions per chunk
     joint_names: tuple[str, ...] = ()  # name of each action dimension (may be empty)
     # name of each observation dimension, '<joint>/position|velocity|effort' for values a
     # sensor_msgs/JointState carries (may be empty: then only plain vectors are accepted)
     observation_names: tuple[str, ...] = ()
+    # ('observation.images.<camera>', (3, H, W)) of each camera the policy takes
+    images: tuple[tuple[str, tuple[int, int, int]], ...] = ()
+    # when a timer-stepped node runs the policy: on every observation ('every_step'), or
+    # only once the queue of the last chunk is used up ('queue_empty', LeRobot's way)
+    replan: str = 'every_step'
+    note: str = ''  # what the loader wants said in /diagnostics (e.g. the normalization)
 
 
 class PolicyAdapter(StateAdapter):
@@ -142,11 +148,13 @@ class PolicyAdapter(StateAdapter):
     spec: PolicySpec
 
     @abstractmethod
-    def act(self, observations: torch.Tensor, position: int,
+    def act(self, observation: dict[str, torch.Tensor], position: int,
             generator: torch.Generator) -> torch.Tensor:
         """
-        Fold observations [T, obs_dim] into the bound state; return actions [horizon, A].
+        Fold an observation into the bound state; return actions [horizon, A].
 
-        position is the number of observations already in the state; the chunk belongs to
-        the last observation. generator is the runtime's RNG (part of every capsule).
+        observation: 'observation.state' [T, obs_dim] (T steps: a history) and each camera's
+        'observation.images.<camera>' [3, H, W] in [0, 1] (then T is 1), on the adapter's
+        device. position is the number of steps already in the state; the chunk belongs to
+        the last one. generator is the runtime's RNG (part of every capsule).
         """

@@ -44,6 +44,9 @@ Extension point - your own torch policy. Any nn.Module with these methods can be
         def forward(self, observations, position, generator):
             # observations [T, obs_dim] (steps position .. position+T-1) -> actions
             # [horizon, action_dim] for the last one; draw any noise from `generator`.
+            # With the class attribute `dict_observations = True` it gets the observation
+            # dict instead ('observation.state' [T, obs_dim], 'observation.images.<camera>'
+            # [3, H, W] in [0, 1]; modes/policy.py), as a LeRobot-format policy does.
         # Optional: export_meta() -> dict, import_meta(dict), reset_meta() for state that is
         # not in tensors (JSON-able; it travels in every capsule; import_meta gets a copy it
         # may keep), and check_meta(dict) raising ValueError for a capsule's meta that
@@ -83,7 +86,8 @@ CONFIG_FILES = ('policy.json', 'policy.yaml', 'policy.yml')
 WEIGHTS_FILE = 'model.safetensors'
 _CONFIG_KEYS = frozenset({'obs_dim', 'action_dim', 'horizon', 'joint_names', 'observation_names',
                           'backbone', 'action_scale', 'action_noise_std', 'module',
-                          'module_kwargs'})
+                          'module_kwargs', 'images', 'replan'})
+REPLANS = ('every_step', 'queue_empty')
 
 
 @dataclass(frozen=True)
@@ -133,16 +137,38 @@ class PolicyConfig:
             raise bad("backbone must be a transformers config mapping with a 'model_type'")
         if not isinstance(kwargs, dict):
             raise bad('module_kwargs must be a mapping')
-        return cls(PolicySpec(**dims, **names), dict(backbone), float(scale), float(noise),
-                   module, dict(kwargs))
+        images = d.get('images', [])
+        if not isinstance(images, list) or not all(
+                isinstance(i, list) and len(i) == 2 and isinstance(i[0], str)
+                and i[0].startswith('observation.images.') and isinstance(i[1], list)
+                and len(i[1]) == 3 and i[1][0] == 3
+                and all(type(n) is int and n > 0 for n in i[1]) for i in images):
+            raise bad("images must be a list of ['observation.images.<camera>', [3, H, W]]")
+        if images and not module:
+            raise bad('images need your own module (the built-in backbone takes vectors)')
+        replan = d.get('replan', 'every_step')
+        if replan not in REPLANS:
+            raise bad(f"replan must be one of {', '.join(REPLANS)}, got {replan!r}")
+        spec = PolicySpec(**dims, **names, images=tuple((k, tuple(v)) for k, v in images),
+                          replan=replan)
+        return cls(spec, dict(backbone), float(scale), float(noise), module, dict(kwargs))
 
     def to_dict(self) -> dict[str, Any]:
-        spec = dataclasses.asdict(self.spec)
-        spec.update(joint_names=list(self.spec.joint_names),
-                    observation_names=list(self.spec.observation_names))
-        return {**spec, 'backbone': self.backbone, 'action_scale': self.action_scale,
+        return {**spec_dict(self.spec), 'backbone': self.backbone, 'action_scale': self.action_scale,
                 'action_noise_std': self.action_noise_std, 'module': self.module,
                 'module_kwargs': self.module_kwargs}
+
+
+def spec_dict(spec: PolicySpec) -> dict[str, Any]:
+    """The spec as policy.json holds it (JSON-able; part of the policy's fingerprint)."""
+    d = dataclasses.asdict(spec)
+    d.update(joint_names=list(spec.joint_names), observation_names=list(spec.observation_names),
+             images=[[k, list(v)] for k, v in spec.images])
+    del d['note']
+    for key, default in (('images', []), ('replan', 'every_step')):
+        if d[key] == default:  # left out: the fingerprints of earlier checkpoints still hold
+            del d[key]
+    return d
 
 
 def _finite(x: Any) -> bool:
@@ -216,7 +242,7 @@ class ModulePolicyAdapter(PolicyAdapter):
             self.kernels = route_kernels(self.module, self.device)
         self.family = 'policy/' + str(getattr(module, 'family', type(module).__name__))
         self._identity = identity or {'module': type(module).__qualname__,
-                                      'spec': dataclasses.asdict(spec)}
+                                      'spec': spec_dict(spec)}
         self._specs = list(self.module.state_specs(max_steps))
 
     def state_specs(self) -> list[StateSpec]:
@@ -250,9 +276,12 @@ class ModulePolicyAdapter(PolicyAdapter):
             self.module.reset_meta()
 
     @torch.no_grad()  # not inference_mode: a module may enable_grad inside (test-time steps)
-    def act(self, observations: torch.Tensor, position: int,
+    def act(self, observation: dict[str, torch.Tensor], position: int,
             generator: torch.Generator) -> torch.Tensor:
-        actions = self.module(observations.to(self.device, self.dtype), position, generator)
+        x = {k: v.to(self.device, self.dtype) for k, v in observation.items()}
+        if not getattr(self.module, 'dict_observations', False):
+            x = x['observation.state']  # [T, obs_dim]: a module of the vector contract
+        actions = self.module(x, position, generator)
         if tuple(actions.shape) != (self.spec.horizon, self.spec.action_dim):
             raise FlashRTError(
                 f'policy module returned actions of shape {tuple(actions.shape)}; expected '

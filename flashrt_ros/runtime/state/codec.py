@@ -164,7 +164,8 @@ class StateCodec:
             meta = json.loads(cap.meta_json)
             position = int(meta['position'])
             pending = meta['pending']
-            if not 0 <= position <= self.arena.rows or not (pending is None or (
+            rows = self.arena.rows or position  # no rows (a policy without sequence state)
+            if not 0 <= position <= rows or not (pending is None or (
                     type(pending) is int and self.vocab_size is not None
                     and 0 <= pending < self.vocab_size)):
                 raise ValueError('position/pending out of range')
