@@ -74,7 +74,8 @@ def _runtime(name, description, **constraints):
 
 
 # Read at configure too, though not part of RuntimeConfig.
-_AT_CONFIGURE = ('mode', 'stepping', 'control_rate', 'image_topics', 'sync_slop')
+_AT_CONFIGURE = ('mode', 'stepping', 'control_rate', 'image_topics', 'sync_slop',
+                 'joint_names')
 
 PARAMETERS = (
     Param('autostart', True,
@@ -191,6 +192,10 @@ PARAMETERS = (
     Param('control_rate', 10.0,
           'Policy mode: control steps per second of the timer, and the spacing of '
           'JointTrajectory points.', floating=(0.1, 1000.0)),
+    Param('joint_names', [],
+          'Policy mode, for a checkpoint that names no joints (LeRobot): the joint of each '
+          'action dimension; the state is read as their positions from ~/observation.',
+          string_array=True),
     Param('image_topics', [],
           'Policy mode: the sensor_msgs/Image topic of each camera, as <camera>=<topic> '
           'entries (<camera> as in the checkpoint key observation.images.<camera>); a '

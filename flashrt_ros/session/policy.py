@@ -14,7 +14,7 @@ and its dropping the queue.
 import threading
 import time
 
-from flashrt_ros.runtime import FlashRTError, InvalidRequestError
+from flashrt_ros.runtime import ConfigError, FlashRTError, InvalidRequestError
 from flashrt_ros.runtime.modes.policy import STATE_KEY
 
 from .modes import Mode
@@ -38,6 +38,15 @@ class PolicyMode(Mode):
         self._interrupted_at = 0.0      # wall time before which observations are stale
         self._stamp = None              # stamp of the observation of the last chunk
         spec = runtime.policy_spec
+        # A checkpoint without joint names (LeRobot's) is given them by the joint_names
+        # parameter: the actions' names and, as positions, the state's.
+        self._joints = tuple(param('joint_names') or ())
+        if self._joints and not spec.joint_names and (
+                len(self._joints) != spec.action_dim or (
+                    not spec.observation_names and len(self._joints) != spec.obs_dim)):
+            raise ConfigError(
+                f'joint_names has {len(self._joints)} names; this policy has {spec.action_dim} '
+                f'action dimensions and a state of {spec.obs_dim} (its positions)')
         self._sync = ObservationSync([STATE_KEY] * bool(spec.obs_dim) +
                                      [key for key, _ in spec.images], param('sync_slop'))
         self._missing_said = {}         # input -> wall time its absence was last reported
@@ -53,7 +62,13 @@ class PolicyMode(Mode):
     @property
     def observation_names(self):
         """'<joint>/position|velocity|effort' of each observation entry (may be empty)."""
-        return self.runtime.policy_spec.observation_names
+        spec = self.runtime.policy_spec
+        return spec.observation_names or tuple(f'{joint}/position' for joint in self._joints)
+
+    @property
+    def joint_names(self):
+        """The name of each action dimension (may be empty)."""
+        return self.runtime.policy_spec.joint_names or self._joints
 
     def tick_period(self):
         return 1.0 / self._param('control_rate') if self._timer_stepping else None
@@ -123,7 +138,7 @@ class PolicyMode(Mode):
                 self._out.log('warning', f'control tick: {exc}', throttle_s=5.0)
                 return
             if action is not None:
-                self._out.actions(rt.position, [action.tolist()], rt.policy_spec.joint_names,
+                self._out.actions(rt.position, [action.tolist()], self.joint_names,
                                   self._stamp)
 
     def forget_inputs(self, before=None):
@@ -141,7 +156,10 @@ class PolicyMode(Mode):
         return '; action queue dropped'
 
     def diagnostics(self, stats):
-        return {'control_step_ms': f'{stats.control_step_s * 1e3:.3f}'}
+        values = {'control_step_ms': f'{stats.control_step_s * 1e3:.3f}'}
+        if self.runtime.policy_spec.note:
+            values['policy'] = self.runtime.policy_spec.note
+        return values
 
     def reject_observation(self, reason, key=None):
         """Say why an observation was refused (log and ~/events; once a second per `key`)."""
@@ -169,4 +187,4 @@ class PolicyMode(Mode):
             return
         self._stamp = stamp
         if not self._timer_stepping:
-            self._out.actions(chunk.step, chunk.actions.tolist(), chunk.names, stamp)
+            self._out.actions(chunk.step, chunk.actions.tolist(), self.joint_names, stamp)

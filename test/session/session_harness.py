@@ -17,7 +17,7 @@ SETTINGS = {
     'goal_policy': 'reject', 'interrupt_policy': 'stop', 'home_capsule': HOME,
     'interrupt_timeout': 5.0, 'max_new_tokens': 16, 'token_chunk': 1, 'stop_strings': [],
     'stepping': 'observation', 'control_rate': 50.0, 'protect_home': True,
-    'sync_slop': 0.05, 'max_observation_age': 1.0,
+    'sync_slop': 0.05, 'max_observation_age': 1.0, 'joint_names': [],
 }
 
 
