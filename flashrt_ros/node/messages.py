@@ -4,7 +4,7 @@ from builtin_interfaces.msg import Duration, Time
 from diagnostic_msgs.msg import DiagnosticStatus, KeyValue
 from flashrt_ros.action import Generate
 from flashrt_ros.msg import ActionChunk, CapsuleInfo, TokenChunk
-from flashrt_ros.runtime.chat import turn_count
+from flashrt_ros.runtime.modes.lm.chat import turn_count
 from flashrt_ros.session import TurnRequest
 import numpy as np
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint

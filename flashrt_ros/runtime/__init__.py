@@ -12,8 +12,7 @@ from .errors import (
     InvalidNameError,
     InvalidRequestError,
 )
-from .generation import Generation, GenerationResult, TokenEvent
-from .modes.policy import ActionChunk
+from .modes import ActionChunk, Generation, GenerationResult, TokenEvent
 from .runtime import Runtime
 from .state.capsule import CapsuleInfo
 from .stats import RuntimeStats

@@ -12,7 +12,7 @@ from typing import Any
 from .errors import ConfigError
 
 DTYPES = ('auto', 'float32', 'bfloat16', 'float16')  # auto: the checkpoint's own (models/hf.py)
-PROMPT_FORMATS = ('auto', 'chat', 'raw')  # how a text prompt goes in (runtime/chat.py)
+PROMPT_FORMATS = ('auto', 'chat', 'raw')  # how a text prompt goes in (modes/lm/chat.py)
 EVICTION_POLICIES = ('refuse', 'lru')
 TIERS = ('device', 'host', 'disk')  # capsule tiers; each has a <tier>_budget_bytes field
 KEY_FILE_ENV = 'FLASHRT_CAPSULE_KEY_FILE'  # names the capsule key file (RuntimeConfig.capsule_key)
@@ -51,7 +51,7 @@ class RuntimeConfig:
     # conversation turns, "raw" appends the text as it is, "auto" is chat when the
     # tokenizer has a template and raw otherwise.
     prompt_format: str = 'auto'
-    # Self-speculative greedy decoding with the checkpoint's MTP head (runtime/speculation.py)
+    # Self-speculative greedy decoding with the checkpoint's MTP head (modes/lm/speculation.py)
     speculation: bool = False
     speculative_tokens: int = 2  # drafts per round, 1..3
     speculative_verify: str = 'batched'  # "batched" | "sequential" (bit-exact with plain)

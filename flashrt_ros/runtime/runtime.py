@@ -1,25 +1,21 @@
 """
 Runtime: the facade the ROS node, the client and the benchmarks use (the Python API).
 
-It holds the parts and the locks and nothing else: the model adapter and engine, the state
-arena and the codec that moves it into and out of capsules (state/), the capsule store,
-the rollback ring, the turn running now (generation.py) and a waiting preemption
-(preemption.py).
+It holds the parts and the locks and nothing else: the model adapter, the state arena and
+the codec that moves it into and out of capsules (state/), the capsule store, the rollback
+ring, the writer slot (writer.py) and the mode's driver (modes/), which runs the calls of
+its kind of model: prefill/generate for a language model, act() for a robot policy,
+feed_audio()/flush() for a speech model. Capsules, restore, fork and rollback are the same
+code for every mode.
 
-Committed boundaries: the end of a prefill, the end of a turn, reset(), every act() and the
-state a restore/rollback lands on; the rollback ring keeps the last `rollback_depth` of
-those the live sequence rows still hold (state/ring.py).
+Committed boundaries: the end of a prefill, the end of a turn, reset(), every act(), every
+audio frame and the state a restore/rollback lands on; the rollback ring keeps the last
+`rollback_depth` of those the live sequence rows still hold (state/ring.py).
 
 Concurrency: one writer (writer.py). Every state access holds the slot's step lock; a
 generation claims the slot from generate() until it finishes, and state-changing calls made
 meanwhile raise BusyError instead of waiting for an unbounded stream to end, unless they
 preempt it (restore/rollback with preempt=True: WriterSlot.preempt).
-
-Policy mode (a robot policy model: modes/policy.py): act(observation) replaces prefill and
-generate; snapshot/restore/fork/rollback/kv_only are the same code for both modes.
-
-Conversations (chat.py): with a tokenizer's chat template (prompt_format auto or chat), a
-text prompt is a conversation turn and the messages are part of the live state.
 """
 
 from __future__ import annotations
@@ -28,27 +24,19 @@ import collections
 import functools
 import hashlib
 import logging
-import math
 import time
 from typing import Callable, Sequence
 
 import torch
 
-from .chat import chat_template, RAW, TurnPlan
 from .config import RuntimeConfig, TIERS
-from .engine import Engine
 from .errors import BusyError, CapsuleNotFoundError, ConfigError, FlashRTError
 from .errors import InvalidNameError, InvalidRequestError
-from .generation import check_fits, check_vocab, Generation, prefill_ids, prompt_ids, Sampling
-from .models.base import PolicyAdapter, PolicySpec, StateAdapter
-from .models.hf import checkpoint_dtype, GenerationDefaults, load_adapter, resolve_model
-from .models.policy import is_policy_model, load_policy
-from .models.speculative import MTPAdapter
-from .models.speech import is_speech_model, KyutaiSTTAdapter, load_speech, SpeechSpec
-from .modes.policy import ActionChunk, control_step, PolicyDriver
+from .models import default_dtype, load_model
+from .models.base import PolicySpec, StateAdapter
+from .models.speech import SpeechSpec
+from .modes import ActionChunk, driver_for, FedAudio, Generation, Sampling
 from .preemption import end_turn, recover_torn
-from .speculation import attach, Speculator
-from .speech_mode import check_audio, FedAudio, feed_samples, read_delayed, warm_speech
 from .state.arena import dtype_from_name, dtype_name, StateArena
 from .state.capsule import BOUNDARY_NAME, Capsule, CapsuleInfo, Origin, validate_name
 from .state.capsule import validate_tier
@@ -63,15 +51,12 @@ from .writer import WriterSlot
 _log = logging.getLogger(__name__)
 RESTORE_MODES = ('full', 'kv_only')
 KV_ONLY_SKIPS = frozenset({'conv', 'recurrent'})  # what a KV-only restore (the ablation) leaves
-MIN_TEMPERATURE = 1e-4  # below it the scaled logits overflow: use 0 (greedy) instead
-# The same bound as a float32 rounds it (a ROS message's temperature is a float32).
-_MIN_TEMPERATURE_F32 = float(torch.tensor(MIN_TEMPERATURE, dtype=torch.float32))
 BUSY_MESSAGE = ('a generation is running; interrupt() it (a step in flight ends first), or '
                 'restore/rollback with preempt=True')
 
 
 class Runtime:
-    """Model + state arena + capsule store + engine behind one thread-safe facade."""
+    """Model + state arena + capsule store + mode driver behind one thread-safe facade."""
 
     def __init__(self, config: RuntimeConfig | dict | None = None,
                  adapter: StateAdapter | None = None,
@@ -79,9 +64,9 @@ class Runtime:
         """
         Load the model (or take `adapter`, e.g. your own policy module) and allocate the arena.
 
-        A policy model (builtin:tiny-policy or a directory with policy.json) puts the
-        runtime in policy mode: act() instead of prefill()/generate(). progress(stage) is
-        called as loading goes on (for a log or a status display).
+        The model's kind picks the mode (modes/): a policy model (builtin:tiny-policy or a
+        policy checkpoint folder) takes act() instead of prefill()/generate(), a speech model
+        feed_audio(). progress(stage) is called as loading goes on (for a log or a status).
         """
         progress = progress or (lambda stage: None)
         if config is None:
@@ -99,75 +84,50 @@ class Runtime:
             # With the index, tensors' devices compare equal to it (e.g. a device capsule's).
             self.device = torch.device('cuda', torch.cuda.current_device())
         self._cuda = self.device.type == 'cuda'
-        model = resolve_model(config.model)
-        policy = is_policy_model(model)
         self.dtype = dtype_from_name(config.dtype if config.dtype != 'auto' else (
-            'float32' if policy or adapter is not None else checkpoint_dtype(model)))
+            'float32' if adapter is not None else default_dtype(config.model)))
         self._closed = False
-
         if adapter is None:
             progress(f'loading {config.model} ({dtype_name(self.dtype)}) on {self.device}')
-            load = (load_policy if policy else
-                    load_speech if is_speech_model(model) else
-                    functools.partial(load_adapter, cpu_step=config.cpu_step))
-            adapter = load(config.model, self.device, self.dtype, config.max_seq_len)
+            adapter = load_model(config.model, self.device, self.dtype, config.max_seq_len,
+                                 config.cpu_step)
         adapter.check_device(self.device)  # a user's module may still be elsewhere
-        # Speculation: the MTP head's state joins the arena (and every capsule) or it says why
-        # not (speculation_note); off, there is no head state at all.
-        self.speculation_note = 'off' if not config.speculation else None
-        if config.speculation:
-            adapter, self.speculation_note = attach(adapter, resolve_model(config.model))
-            if self.speculation_note is not None:
-                _log.warning('speculation %s; decoding runs plain', self.speculation_note)
-        self.adapter = adapter
-        self.is_policy = isinstance(adapter, PolicyAdapter)
-        # The single-writer state (writer.py); a policy's act() is waited for, not abandoned.
+        self.driver = driver_for(adapter)(self, adapter)
+        # Speculation: the MTP head's state joins the arena (and every capsule) or the note
+        # says why not; off, there is no head state at all.
+        self.adapter, self.speculation_note = self.driver.attach(adapter)
+        if config.speculation and self.speculation_note is not None:
+            _log.warning('speculation %s; decoding runs plain', self.speculation_note)
         self.writer = WriterSlot(self._commit, end_turn, lambda: recover_torn(self),
-                                 abortable_steps=not self.is_policy)
-        self.is_speech = isinstance(adapter, KyutaiSTTAdapter)
-        self.tokenizer = getattr(adapter, 'tokenizer', None)
-        # The conversation renderer (None: raw text; policy mode); ConfigError if asked for
-        # and the tokenizer has no usable template.
-        self.chat = (None if self.is_policy or self.is_speech
-                     else chat_template(self.tokenizer, config.prompt_format))
+                                 abortable_steps=self.driver.abortable_steps)
+        self.tokenizer = getattr(self.adapter, 'tokenizer', None)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
-        specs = adapter.state_specs() + (
-            PolicyDriver.state_specs(adapter.spec) if self.is_policy
-            else Engine.state_specs(adapter.vocab_size, config.max_seq_len))
+        specs = self.adapter.state_specs() + self.driver.state_specs()
         progress(f'binding the state to the arena ({len(specs)} tensors)')
-        # A policy with no sequence state (ACT) has no rows: its episodes have no length bound.
-        rows = not self.is_policy or any(s.seq_dim is not None for s in specs)
+        # A model with no sequence state (a policy such as ACT) has no rows: its episodes
+        # have no length bound.
+        rows = any(s.seq_dim is not None for s in specs)
         self.arena = StateArena(specs, self.device, max_position=config.max_seq_len if rows else 0)
         # Capsule blobs on a CPU runtime reuse dropped ones' memory (no page faults).
         self._pool = BlobPool(2 * self.arena.nbytes) if self.device.type == 'cpu' else None
-        adapter.bind(self.arena.views)
-        if self.is_policy:
-            self.engine = PolicyDriver(adapter, self.arena.views)
-        else:
-            self.engine = Engine(adapter, self.arena.views['logits'], self.arena.views['tokens'],
-                                 config.cuda_graphs and not self.is_speech)  # speech: eager
-            if not self.is_speech:  # never sample an id the tokenizer has no token for
-                self.engine.limit_vocab(min(adapter.vocab_size, self.tokenizer.vocab_size))
+        self.adapter.bind(self.arena.views)
+        self.engine = self.driver.bind(self.arena.views)
+        self.speculator = self.driver.speculator()
         budgets = config.sized_budgets(self.arena.nbytes)
-        self.speculator = (Speculator(self, config.speculative_tokens, config.speculative_verify)
-                           if isinstance(adapter, MTPAdapter) else None)
         self.ring = RollbackRing(config.rollback_depth, budgets.pop('ring'))
         self.cursor = Cursor()
         self.codec = StateCodec(
-            self.arena, adapter, self.generator, self.cursor,
+            self.arena, self.adapter, self.generator, self.cursor,
             alloc=self._pool.take if self._pool is not None else functools.partial(
                 torch.empty, dtype=torch.uint8, device=self.device),
-            before_alloc=self.ring.retired.clear,
-            vocab_size=None if self.is_policy else adapter.vocab_size)
+            before_alloc=self.ring.retired.clear, vocab_size=self.driver.vocab_size)
         self.fingerprint = self.codec.fingerprint
         self.store = CapsuleStore(self.device, budgets, config.eviction,
                                   config.capsule_path, self.fingerprint, config.capsule_key())
         self.exports = Exports(self.store.key)  # capsules served to other runtimes
         self._restore_times: collections.deque[float] = collections.deque(maxlen=1000)
         self._last_restore_s = 0.0
-        self._decode_tps = 0.0
-        self._control_step_s = 0.0
         self.reset()
 
     # ---- small properties -------------------------------------------------------------
@@ -189,13 +149,20 @@ class Runtime:
     def components(self) -> list[str]:
         return list(self.codec.components)
 
-    def tokenize(self, text: str) -> list[int]:
-        self._require_mode(policy=False)
-        return self.tokenizer.encode(text)
+    @property
+    def is_policy(self) -> bool:
+        """Whether the model is a robot policy (act() instead of prefill/generate)."""
+        return self.driver.name == 'policy'
 
-    def detokenize(self, ids: Sequence[int]) -> str:
-        self._require_mode(policy=False)
-        return self.tokenizer.decode(list(ids))
+    @property
+    def is_speech(self) -> bool:
+        """Whether the model is a streaming speech model (feed_audio(), flush())."""
+        return self.driver.name == 'speech'
+
+    @property
+    def chat(self):
+        """Return the conversation renderer (modes/lm/chat.py; None: raw text or no LM)."""
+        return self.driver.chat
 
     # ---- checks and the commit (call with _lock held) --------------------------------
 
@@ -207,21 +174,6 @@ class Runtime:
         self._check_open()
         if self.writer.turn is not None:
             raise BusyError(BUSY_MESSAGE)
-
-    def _require_mode(self, policy: bool, speech: bool = False) -> None:
-        if self.is_speech != speech:
-            raise InvalidRequestError(
-                f'model {self.config.model!r} is a speech model: call feed_audio(samples)'
-                if self.is_speech else
-                f'model {self.config.model!r} is not a speech model: feed_audio and flush '
-                'need one (e.g. builtin:tiny-stt)')
-        if self.is_policy != policy:
-            raise InvalidRequestError(
-                f'model {self.config.model!r} is a robot policy: call act(observation), not '
-                'prefill/generate/tokenize' if self.is_policy else
-                f'model {self.config.model!r} is a language model: act() and the action '
-                'queue need a policy model (e.g. builtin:tiny-policy)'
-            )
 
     def _clock(self) -> float:
         """Start a latency clock; on CUDA after the work already queued (a turn's commit)."""
@@ -250,18 +202,7 @@ class Runtime:
             try:
                 self.arena.zero_()
                 self.adapter.reset_meta()
-                if self.is_policy:
-                    self.engine.warm(self.device)
-                elif self.is_speech:
-                    warm_speech(self)
-                else:
-                    self.engine.prefill([0], 0)
-                    self.engine.decode(0, 1)
-                eager = self.is_policy or self.is_speech
-                if self.config.cuda_graphs and self._cuda and not eager:
-                    self.arena.zero_()
-                    if self.engine.capture(self.arena.views) and self.speculator is not None:
-                        self.speculator.capture(self.arena.views)
+                self.driver.warm()
             finally:
                 self.arena.zero_()  # whatever rows the throwaway steps wrote
                 self.codec.apply(saved)  # the prefix is back: the lineage goes on
@@ -292,38 +233,25 @@ class Runtime:
             self.exports.close_all()
             if self._pool is not None:
                 self._pool.clear()
-            self.engine.drop_graph()
-            if self.speculator is not None:
-                self.speculator.close()
+            self.driver.close()
             self.codec.close()
             del self.adapter, self.engine, self.arena
             if self._cuda:
                 with torch.cuda.device(self.device):
                     torch.cuda.empty_cache()
 
-    # ---- prefill / generate -----------------------------------------------------------
+    # ---- a language model's calls (modes/lm/) --------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.driver.tokenize(text)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.driver.detokenize(ids)
 
     @property
     def conversation(self) -> tuple:
         """Return the conversation the live state holds: ((role, content), ...); () outside one."""
         return self.cursor.messages
-
-    def _segment(self, prompt: str | Sequence[int], raw: bool, role: str,
-                 reply: bool) -> tuple[list[int], TurnPlan | None]:
-        """
-        Return a prompt's ids and what it adds to the conversation (lock held).
-
-        Text is a `role` message rendered by the chat template, unless raw or the runtime
-        has none; token ids are always raw. A raw segment in a conversation is recorded by
-        its role only ('raw'); outside one, nothing is recorded.
-        """
-        cursor = self.cursor
-        if self.chat is not None and not raw and isinstance(prompt, str):
-            ids, plan = self.chat.plan(cursor.messages, role, prompt, reply)
-            return check_vocab(self.tokenizer, self.adapter.vocab_size, ids), plan
-        first = cursor.position == 0 and cursor.pending is None
-        ids = prompt_ids(self.tokenizer, self.adapter.vocab_size, prompt, first)
-        return ids, (TurnPlan(cursor.messages + (RAW,)) if self.chat is not None else None)
 
     def prefill(self, prompt: str | Sequence[int], raw: bool = False,
                 role: str = 'system') -> int:
@@ -333,36 +261,13 @@ class Runtime:
         With a chat template the text is a `role` message (the system prompt, by default)
         unless raw=True; token ids are always fed as they are.
         """
-        self._require_mode(policy=False)
-        with self.writer.lock:
-            self._check_idle()
-            ids, plan = self._segment(prompt, raw, role, reply=False)
-            prefill_ids(self, ids)
-            if plan is not None:
-                self.cursor.messages = plan.messages
-            self.writer.commit()
-            return self.cursor.position
+        return self.driver.prefill(prompt, raw, role)
 
     def sampling(self, max_new_tokens: int = 64, temperature: float | None = 0.0,
                  top_k: int | None = 0, top_p: float | None = 1.0, seed: int | None = None,
                  stop: Sequence[str] = ('\n\n',), eos: bool = True) -> Sampling:
         """Return a turn's sampling parameters checked (None: the checkpoint's default)."""
-        self._require_mode(policy=False)
-        defaults = getattr(self.adapter, 'generation', None) or GenerationDefaults()
-        temperature = defaults.temperature if temperature is None else temperature
-        top_k = defaults.top_k if top_k is None else top_k
-        top_p = defaults.top_p if top_p is None else top_p
-        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
-                and (temperature == 0 or temperature >= _MIN_TEMPERATURE_F32)):
-            raise InvalidRequestError(
-                f'temperature {temperature!r} is not valid: use 0 (greedy) or a finite '
-                f'number >= {MIN_TEMPERATURE:g}')
-        sampling = Sampling.checked(max_new_tokens, temperature, top_k, top_p, seed, stop, eos)
-        if temperature > 0 and self.speculator is not None:
-            raise InvalidRequestError(
-                'speculative decoding is greedy only: use temperature 0, or a runtime with '
-                'speculation off for sampled turns')
-        return sampling
+        return self.driver.sampling(max_new_tokens, temperature, top_k, top_p, seed, stop, eos)
 
     def generate(self, prompt: str | Sequence[int] | None = None, max_new_tokens: int = 64,
                  temperature: float | None = 0.0, top_k: int | None = 0,
@@ -377,27 +282,8 @@ class Runtime:
         is. temperature/top_k/top_p None: the checkpoint's default (generation_config.json;
         greedy when it has none).
         """
-        sampling = self.sampling(max_new_tokens, temperature, top_k, top_p, seed, stop, eos)
-        with self.writer.lock:
-            self._check_idle()
-            ids, plan = None, None
-            if prompt is not None:
-                ids, plan = self._segment(prompt, raw, 'user', reply=True)
-            elif self.chat is not None and not raw:
-                raise InvalidRequestError(
-                    'a conversation turn needs a user message: pass a prompt, or raw=True to '
-                    'continue the context as it is')
-            elif self.chat is not None:
-                plan = TurnPlan(self.cursor.messages + (RAW,))
-            if ids is not None:  # refused now, not reported as a turn that ended
-                check_fits(self, ids, 1 + len(plan.closing) if plan and plan.closing else 0)
-            if ids is None and self.cursor.position == 0 and self.cursor.pending is None:
-                raise InvalidRequestError(
-                    'nothing to continue from: the state is empty; pass a prompt'
-                )
-            gen = Generation(self, ids, sampling, plan)
-            self.writer.claim(gen)
-            return gen
+        return self.driver.generate(prompt, raw, max_new_tokens, temperature, top_k, top_p,
+                                    seed, stop, eos)
 
     def interrupt(self) -> None:
         """
@@ -406,12 +292,12 @@ class Runtime:
         A generation between steps (nobody iterating it now: left after a `break`, or never
         started) ends here and now, so the runtime is free when this returns; one in the
         middle of a step ends when the step does (a long prompt's prefill at its next chunk
-        boundary: generation.py), and so does one met while another call (a snapshot, a
-        digest) holds the runtime: this never waits. Policy mode: drop the
-        pending action queue (waits for a running act() to finish).
+        boundary: modes/lm/generation.py), and so does one met while another call (a
+        snapshot, a digest) holds the runtime: this never waits. Policy mode: drop the pending
+        action queue (waits for a running act() to finish).
         """
-        if self.is_policy and not self._closed:
-            self.drop_actions()
+        if not self._closed:
+            self.driver.interrupted()
         gen = self.writer.turn
         if gen is None:
             return
@@ -423,12 +309,12 @@ class Runtime:
             finally:
                 self.writer.lock.release()
 
-    # ---- policy mode: observation in, action chunk out ---------------------------------
+    # ---- a robot policy's calls (modes/policy.py): observation in, action chunk out ------
 
     @property
     def policy_spec(self) -> PolicySpec | None:
-        """obs_dim, action_dim, horizon and names of a policy model (None for an LM)."""
-        return self.adapter.spec if self.is_policy else None
+        """obs_dim, action_dim, horizon and names of a policy model (None otherwise)."""
+        return self.driver.policy_spec
 
     def act(self, observation) -> ActionChunk:
         """
@@ -441,50 +327,34 @@ class Runtime:
         InvalidRequestError before the state is touched; so does a full episode (a policy
         with sequence state at position == max_seq_len: reset or restore first).
         """
-        self._require_mode(policy=True)
-        observations = self.engine.check(observation)  # float32 host tensors
-        t0 = time.perf_counter()
-        with self.writer.lock:
-            self._check_idle()
-            return control_step(self, observations, t0)
+        return self.driver.act(observation)
 
     def check_observation(self, observation) -> dict[str, torch.Tensor]:
         """Return the observation as a dict of float32 tensors, or raise InvalidRequestError."""
-        self._require_mode(policy=True)
-        return self.engine.check(observation)
+        return self.driver.check_observation(observation)
 
     def next_action(self) -> torch.Tensor | None:
         """Take the next not-yet-executed action [action_dim] of the chunk (None: empty)."""
-        self._require_mode(policy=True)
-        with self.writer.lock:
-            self._check_idle()
-            return self.engine.pop()
+        return self.driver.next_action()
 
     def pending_actions(self) -> torch.Tensor:
         """Return a copy of the queue of not-yet-executed actions [n, action_dim]."""
-        self._require_mode(policy=True)
-        with self.writer.lock:
-            self._check_open()
-            return self.engine.queued()
+        return self.driver.pending_actions()
 
     def drop_actions(self) -> int:
         """Empty the action queue (what interrupt() does); return how many were dropped."""
-        self._require_mode(policy=True)
-        with self.writer.lock:
-            self._check_open()
-            return self.engine.drop()
+        return self.driver.drop_actions()
 
-    # ---- speech mode: audio in, text tokens out -----------------------------------------
+    # ---- a speech model's calls (modes/speech.py): audio in, text tokens out -------------
 
     @property
     def speech_spec(self) -> SpeechSpec | None:
         """Sample rate, frame size and text delay of a speech model (None otherwise)."""
-        return self.adapter.spec if self.is_speech else None
+        return self.driver.speech_spec
 
     def check_audio(self, samples, sample_rate: int | None = None) -> torch.Tensor:
         """Return mono samples as float32 [N], or raise InvalidRequestError (nothing fed)."""
-        self._require_mode(policy=False, speech=True)
-        return check_audio(self.adapter, samples, sample_rate)
+        return self.driver.check_audio(samples, sample_rate)
 
     def feed_audio(self, samples, sample_rate: int | None = None,
                    should_stop: Callable[[], bool] | None = None) -> FedAudio:
@@ -500,22 +370,11 @@ class Runtime:
         0) and raises. should_stop() is asked before each frame: True ends the call there
         (the result's `cut`), the rest of the samples untaken.
         """
-        audio = self.check_audio(samples, sample_rate)
-        t0 = time.perf_counter()
-        with self.writer.lock:
-            self._check_idle()
-            events = feed_samples(self, audio, sample_rate, should_stop)
-            if events:
-                self._control_step_s = (time.perf_counter() - t0) / len(
-                    {e.frame for e in events})
-            return events
+        return self.driver.feed_audio(samples, sample_rate, should_stop)
 
     def flush(self, should_stop: Callable[[], bool] | None = None) -> FedAudio:
         """Return the tokens the text delay still holds back; the live state is unchanged."""
-        self._require_mode(policy=False, speech=True)
-        with self.writer.lock:
-            self._check_idle()
-            return read_delayed(self, should_stop)
+        return self.driver.flush(should_stop)
 
     # ---- capsules ---------------------------------------------------------------------
 
@@ -769,17 +628,11 @@ class Runtime:
             last_restore_copied_bytes=self.codec.last_copied_bytes,
             blob_pool_idle_bytes=0 if self._pool is None else self._pool.idle_bytes,
             p99_restore_s=times[min(len(times) - 1, int(0.99 * len(times)))] if times else 0.0,
-            decode_tokens_per_s=self._decode_tps,
-            cuda_graph=bool(not closed and self.engine.graph is not None),
-            cuda_graph_note=None if closed else self.engine.graph_error,
             decode_fastpath_note=None if closed else getattr(
                 self.adapter, 'fastpath_note', 'this adapter has no decode fast path'),
             cpu_step_note=None if closed else getattr(
                 self.adapter, 'cpu_step_note', 'this adapter has no compiled CPU step'),
-            cuda_graph_replays=0 if closed else self.engine.replays,
             kernels=() if closed else tuple(self.adapter.kernels),
-            control_step_s=self._control_step_s if self.is_policy or self.is_speech else None,
             disk_temp_bytes=temp_bytes,
-            speculation=(dict(self.speculator.stats(), enabled=True) if self.speculator
-                         else {'enabled': False, 'note': self.speculation_note}),
+            **self.driver.stats(),
         )

@@ -66,7 +66,7 @@ class RuntimeStats:
     # when they do
     cpu_step_note: str | None = None
     # Speculative decoding: {'enabled': False, 'note': why} or its rounds, mean tokens per
-    # round (mean_accepted_length) and acceptance_by_depth (runtime/speculation.py)
+    # round (mean_accepted_length) and acceptance_by_depth (modes/lm/speculation.py)
     speculation: dict | None = None
 
     def to_dict(self) -> dict:

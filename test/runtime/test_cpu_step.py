@@ -14,7 +14,7 @@ FAST = ['builtin:tiny-hybrid', 'builtin:tiny-qwen3-5']
 
 def _odd_checkpoint(directory, head_dim, key_dim, value_dim, hidden):
     """Write a Qwen3-Next checkpoint whose sizes are not multiples of a vector (8 or 16 floats)."""
-    from flashrt_ros.runtime.tokenizer import ByteTokenizer
+    from flashrt_ros.runtime.models.tokenizer import ByteTokenizer
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     config = Qwen3NextConfig(

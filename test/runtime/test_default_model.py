@@ -5,7 +5,7 @@ import json
 from flashrt_ros import train_default
 from flashrt_ros.runtime.models import mtp
 from flashrt_ros.runtime.models.hf import DEFAULT_DIR, HFCausalLMAdapter
-from flashrt_ros.runtime.tokenizer import HFTokenizer
+from flashrt_ros.runtime.models.tokenizer import HFTokenizer
 import pytest
 from runtime_harness import greedy
 import torch

@@ -2,7 +2,7 @@
 
 from flashrt_ros.runtime.models.builtin import build_builtin
 from flashrt_ros.runtime.models.fastpath import FAMILIES as FAST_FAMILIES
-from flashrt_ros.runtime.tokenizer import ByteTokenizer
+from flashrt_ros.runtime.models.tokenizer import ByteTokenizer
 import pytest
 from runtime_harness import decode_steps, FAMILIES, greedy, OTHER_PROMPT, PROMPT
 import torch

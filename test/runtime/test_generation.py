@@ -358,7 +358,7 @@ def test_sampling_that_fails_ends_the_turn_and_frees_the_runtime(make_runtime):
 def _bpe_checkpoint(tmp_path):
     """tiny-hybrid saved with a real (byte-level BPE) transformers tokenizer instead."""
     from flashrt_ros.runtime.models.hf import save_builtin
-    from flashrt_ros.runtime.tokenizer import MARKER_FILE
+    from flashrt_ros.runtime.models.tokenizer import MARKER_FILE
     from tokenizers import decoders, models, pre_tokenizers, Tokenizer, trainers
     from transformers import PreTrainedTokenizerFast
 

@@ -3,7 +3,7 @@
 import math
 
 from flashrt_ros.runtime import InvalidRequestError
-from flashrt_ros.runtime.resample import half_width, StreamingResampler
+from flashrt_ros.runtime.models.resample import half_width, StreamingResampler
 import numpy as np
 import pytest
 import torch

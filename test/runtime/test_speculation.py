@@ -6,8 +6,8 @@ from flashrt_ros.runtime import InvalidRequestError
 from flashrt_ros.runtime.errors import FingerprintMismatchError
 from flashrt_ros.runtime.models.hf import save_builtin
 from flashrt_ros.runtime.models.mtp import sequence_logits
-from flashrt_ros.runtime.speculation import Speculator
-from flashrt_ros.runtime.tokenizer import ByteTokenizer
+from flashrt_ros.runtime.models.tokenizer import ByteTokenizer
+from flashrt_ros.runtime.modes.lm.speculation import Speculator
 import pytest
 from runtime_harness import greedy, PROMPT
 import torch

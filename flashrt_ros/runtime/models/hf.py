@@ -20,10 +20,10 @@ from .base import CausalLMAdapter
 from .binding import BindingDelegate, CacheBinding, module_fingerprint, PROBE_TOKENS
 from .fastpath import DecodeFastPath, refusal
 from .kernels import route_kernels
+from .tokenizer import ByteTokenizer, HFTokenizer
 from ..errors import ConfigError
 from ..inference import inference
 from ..state.arena import StateSpec
-from ..tokenizer import ByteTokenizer, HFTokenizer
 
 DEFAULT_MODEL = 'default'  # the short name of the trained checkpoint installed with the package
 DEFAULT_DIR = Path(__file__).resolve().parents[2] / 'models' / 'default'

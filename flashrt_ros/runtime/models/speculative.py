@@ -1,8 +1,9 @@
 """
 MTPAdapter: a causal-LM adapter whose state also holds its MTP head's state.
 
-The head (models/mtp.py) drafts tokens for self-speculative decoding (runtime/speculation.py).
-Its state lives in the arena next to the main model's, so every capsule carries it:
+The head (models/mtp.py) drafts tokens for self-speculative decoding
+(runtime/modes/lm/speculation.py). Its state lives in the arena next to the main model's, so
+every capsule carries it:
 
   mtp.L0.key / mtp.L0.value   the head's attention KV, in the row block (append-only)
   mtp.L0.length               rows of it in use

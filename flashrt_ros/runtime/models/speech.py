@@ -40,10 +40,10 @@ from .base import StateAdapter
 from .binding import CacheBinding, module_fingerprint
 from .builtin import SEED, SPEECH_BUILTINS
 from .hf import checkpoint_tokenizer
+from .resample import StreamingResampler
+from .tokenizer import ByteTokenizer
 from ..errors import ConfigError
-from ..resample import StreamingResampler
 from ..state.arena import StateSpec
-from ..tokenizer import ByteTokenizer
 
 MODEL_TYPE = 'kyutai_speech_to_text'
 CALIBRATION_FRAMES = 64  # frames of seeded audio the built-in's codebooks are drawn from

@@ -9,6 +9,7 @@ position counts control steps and every act() is a committed boundary. The actio
 and its queue of not-yet-executed actions are arena state (kind "actions"): `left` counts
 down as actions are taken and is 0 after a reset or a drop, so a capsule, a restore or a
 rollback carries the queue like the rest of the state; interrupt() drops it.
+An act() runs to its end: a preemption waits for it rather than abandon it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 
 import torch
 
+from .base import Driver
 from ..errors import FlashRTError, InvalidRequestError
 from ..models.base import PolicyAdapter, PolicySpec
 from ..preemption import guarded_forward
@@ -65,24 +67,53 @@ def image_from_bytes(data, height: int, width: int, encoding: str, step: int,
     return rgb.contiguous()
 
 
-class PolicyDriver:
+class PolicyDriver(Driver):
     """Runs a policy adapter over its bound state; the chunk and its queue live in the arena."""
 
+    name = 'policy'
+    kind = 'a robot policy'
+    calls = 'call act(observation)'
+    abortable_steps = False
     CHUNK, LEFT = 'policy.actions', 'policy.actions_left'
+    # As the engine, for stats(): no graph.
+    graph, replays, graph_error = None, 0, 'policy steps run eagerly (no CUDA graph capture yet)'
 
-    def __init__(self, adapter: PolicyAdapter, views: dict[str, torch.Tensor]):
-        self.adapter = adapter
+    def __init__(self, rt, adapter: PolicyAdapter):
+        super().__init__(rt, adapter)
         self.spec = adapter.spec
-        self.chunk = views[self.CHUNK]  # [H, A] fp32 arena view: the last action chunk
-        self.left = views[self.LEFT]  # [] int64 arena view: how many of its actions are queued
-        self.graph = None  # what Runtime.stats()/close() look at
-        self.replays = 0
-        self.graph_error = 'policy steps run eagerly (no CUDA graph capture yet)'
+        self.chunk: torch.Tensor | None = None  # [H, A] fp32 arena view: the last chunk
+        self.left: torch.Tensor | None = None  # [] int64 arena view: its actions queued
+        self.control_step_s = 0.0  # the last act()
 
-    @classmethod
-    def state_specs(cls, spec: PolicySpec) -> list[StateSpec]:
-        return [StateSpec(cls.CHUNK, 'actions', (spec.horizon, spec.action_dim), torch.float32),
-                StateSpec(cls.LEFT, 'actions', (), torch.int64)]
+    @staticmethod
+    def serves(adapter) -> bool:
+        return isinstance(adapter, PolicyAdapter)
+
+    def state_specs(self) -> list[StateSpec]:
+        spec = self.spec
+        return [StateSpec(self.CHUNK, 'actions', (spec.horizon, spec.action_dim), torch.float32),
+                StateSpec(self.LEFT, 'actions', (), torch.int64)]
+
+    def bind(self, views: dict[str, torch.Tensor]) -> PolicyDriver:
+        """Take the chunk and queue views; the driver steps the policy itself (the engine)."""
+        self.chunk, self.left = views[self.CHUNK], views[self.LEFT]
+        self.engine = self
+        return self
+
+    @property
+    def vocab_size(self) -> None:
+        return None
+
+    @property
+    def policy_spec(self) -> PolicySpec:
+        return self.spec
+
+    def close(self) -> None:
+        self.chunk = self.left = None
+        super().close()
+
+    def stats(self) -> dict:
+        return dict(super().stats(), control_step_s=self.control_step_s)
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -90,7 +121,7 @@ class PolicyDriver:
         images = tuple(key for key, _ in self.spec.images)
         return ((STATE_KEY,) if self.spec.obs_dim else ()) + images
 
-    def check(self, observation) -> dict[str, torch.Tensor]:
+    def check_observation(self, observation) -> dict[str, torch.Tensor]:
         """Return the observation as a dict of float32 host tensors, or raise."""
         if not isinstance(observation, dict):
             observation = {STATE_KEY: observation}
@@ -180,34 +211,74 @@ class PolicyDriver:
             out[STATE_KEY] = torch.zeros(steps, self.spec.obs_dim)
         return out
 
-    def warm(self, device: torch.device) -> None:
+    def warm(self) -> None:
         """Throwaway steps (a private RNG: the live one must not move)."""
-        scratch = torch.Generator(device=device)
+        scratch = torch.Generator(device=self.rt.device)
         multi = 1 if self.spec.images else 2
         self.step(self.blank(multi), 0, scratch)
         self.step(self.blank(1), multi, scratch)
 
-    def queued(self) -> torch.Tensor:
-        """Return a host copy of the not-yet-executed actions [n, A]."""
-        return self.chunk[self.spec.horizon - int(self.left):].to('cpu', copy=True)
+    # ---- calls (Runtime's say what they do) --------------------------------------------
 
-    def pop(self) -> torch.Tensor | None:
-        """Take the next queued action [A] (None when the queue is empty)."""
-        n = int(self.left)
-        if n == 0:
-            return None
-        action = self.chunk[self.spec.horizon - n].to('cpu', copy=True)
-        self.left.sub_(1)
-        return action
+    def act(self, observation) -> ActionChunk:
+        rt = self.rt
+        observations = self.check_observation(observation)  # float32 host tensors
+        t0 = time.perf_counter()
+        with rt.writer.lock:
+            rt._check_idle()
+            return self.control_step(observations, t0)
 
-    def drop(self) -> int:
-        """Empty the queue; return how many actions it held."""
-        n = int(self.left)
-        self.left.zero_()
-        return n
+    def control_step(self, observation: dict[str, torch.Tensor], t0: float) -> ActionChunk:
+        """Fold a checked observation into the state (lock held)."""
+        rt, cursor = self.rt, self.rt.cursor
+        steps = self.steps_of(observation)
+        if rt.arena.rows and cursor.position + steps > rt.config.max_seq_len:
+            raise InvalidRequestError(
+                f'episode is full: position {cursor.position} + {steps} '
+                f'observations > max_seq_len {rt.config.max_seq_len}; reset() or '
+                'restore a capsule first, or raise max_seq_len')
+        cursor.extent = max(cursor.extent, cursor.position + steps)
+        left = int(self.left)  # next_action/drop_actions change it, uncommitted
+        try:
+            with guarded_forward(rt):
+                actions = self.step(observation, cursor.position, rt.generator)
+        except BaseException:
+            if rt.ring.depth > 0:  # (else the state was reset)
+                self.left.fill_(left)  # the queue as it was before the call
+            raise
+        cursor.position += steps
+        rt.writer.commit()
+        if rt.device.type == 'cuda':  # the commit's copy is queued, not done: bill it here
+            torch.cuda.synchronize(rt.device)
+        self.control_step_s = time.perf_counter() - t0
+        return ActionChunk(cursor.position, actions, self.spec.joint_names,
+                           self.control_step_s)
 
-    def drop_graph(self) -> None:
-        pass
+    def next_action(self) -> torch.Tensor | None:
+        with self.rt.writer.lock:
+            self.rt._check_idle()
+            n = int(self.left)
+            if n == 0:
+                return None
+            action = self.chunk[self.spec.horizon - n].to('cpu', copy=True)
+            self.left.sub_(1)
+            return action
+
+    def pending_actions(self) -> torch.Tensor:
+        with self.rt.writer.lock:
+            self.rt._check_open()
+            return self.chunk[self.spec.horizon - int(self.left):].to('cpu', copy=True)
+
+    def drop_actions(self) -> int:
+        with self.rt.writer.lock:
+            self.rt._check_open()
+            n = int(self.left)
+            self.left.zero_()
+            return n
+
+    def interrupted(self) -> None:
+        """Drop the pending action queue (waits for a running act() to finish)."""
+        self.drop_actions()
 
 
 def _check_finite(x: torch.Tensor, what: str) -> None:
@@ -216,30 +287,3 @@ def _check_finite(x: torch.Tensor, what: str) -> None:
         raise InvalidRequestError(
             f'{what} holds NaN or Inf (first at index {bad[0].tolist()}, after float32 '
             'conversion); rejected before it reached the state')
-
-
-def control_step(rt, observation: dict[str, torch.Tensor], t0: float) -> ActionChunk:
-    """Fold a checked observation into the state (lock held; see Runtime.act)."""
-    cursor, driver = rt.cursor, rt.engine
-    steps = driver.steps_of(observation)
-    if rt.arena.rows and cursor.position + steps > rt.config.max_seq_len:
-        raise InvalidRequestError(
-            f'episode is full: position {cursor.position} + {steps} '
-            f'observations > max_seq_len {rt.config.max_seq_len}; reset() or '
-            'restore a capsule first, or raise max_seq_len')
-    cursor.extent = max(cursor.extent, cursor.position + steps)
-    left = int(driver.left)  # next_action/drop_actions change it, uncommitted
-    try:
-        with guarded_forward(rt):
-            actions = driver.step(observation, cursor.position, rt.generator)
-    except BaseException:
-        if rt.ring.depth > 0:  # (else the state was reset)
-            driver.left.fill_(left)  # the queue as it was before the call
-        raise
-    cursor.position += steps
-    rt.writer.commit()
-    if rt._cuda:  # the commit's copy is queued, not done: bill it to this step
-        torch.cuda.synchronize(rt.device)
-    rt._control_step_s = time.perf_counter() - t0
-    return ActionChunk(cursor.position, actions, rt.adapter.spec.joint_names,
-                       rt._control_step_s)

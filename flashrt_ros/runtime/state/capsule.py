@@ -88,7 +88,7 @@ class CapsuleInfo(NamedTuple):
     latency_s: float = 0.0
     origin: Origin | None = None  # set for a capsule imported from another node
     # Role of each conversation message the state holds (system, user, assistant, raw);
-    # empty outside a conversation (runtime/chat.py).
+    # empty outside a conversation (modes/lm/chat.py).
     roles: tuple[str, ...] = ()
 
 

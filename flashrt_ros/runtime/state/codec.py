@@ -2,7 +2,7 @@
 The codec between the live state and capsules: capture, check and apply.
 
 Live state = the arena bytes + the non-tensor state a capsule keeps as JSON: the cursor
-(position, pending token, the conversation's messages: runtime/chat.py), the adapter's
+(position, pending token, the conversation's messages: modes/lm/chat.py), the adapter's
 meta (layer flags, counters) and the sampler's state (hex in the JSON; host bytes for CPU
 and CUDA generators alike, so neither a snapshot nor a restore needs a device sync for
 it). capture copies the live state into a new capsule; check refuses one that does not fit
@@ -22,8 +22,20 @@ import torch
 from .arena import StateArena
 from .capsule import BOUNDARY_NAME, Capsule
 from .memory import host_blob
-from ..chat import check_messages
 from ..errors import CorruptCapsuleError, FingerprintMismatchError
+
+ROLES = ('system', 'user', 'assistant', 'raw')  # of a conversation's messages
+
+
+def check_messages(messages) -> tuple:
+    """Return a capsule's conversation as a tuple of (role, content); ValueError if bad."""
+    out = []
+    for message in messages:
+        role, content = message  # a pair, or ValueError/TypeError
+        if role not in ROLES or not isinstance(content, str):
+            raise ValueError(f'bad conversation message {message!r}')
+        out.append((role, content))
+    return tuple(out)
 
 
 class Cursor:

@@ -30,13 +30,13 @@ from typing import Callable
 import numpy
 import torch
 
-from .config import MAX_DRAFT_TOKENS
 from .device_round import DeviceRound
-from .errors import FlashRTError
 from .generation import _feed
-from .inference import inference
-from .models.speculative import recurrent_rule
-from .preemption import guarded_forward
+from ...config import MAX_DRAFT_TOKENS
+from ...errors import FlashRTError
+from ...inference import inference
+from ...models.speculative import recurrent_rule
+from ...preemption import guarded_forward
 
 TRACE_ROUNDS = 4096  # accepted-draft counts of the latest rounds (tests, benchmarks)
 NAN_LOGITS = ('the model produced NaN logits; no token was taken: check the model (dtype, '
@@ -314,10 +314,10 @@ def attach(adapter, model_id: str):
     """
     from pathlib import Path
 
-    from .models.builtin import INIT_STD, SEED
-    from .models.hf import HFCausalLMAdapter
-    from .models.mtp import FAMILIES, load_head, seeded_head
-    from .models.speculative import MTPAdapter
+    from ...models.builtin import INIT_STD, SEED
+    from ...models.hf import HFCausalLMAdapter
+    from ...models.mtp import FAMILIES, load_head, seeded_head
+    from ...models.speculative import MTPAdapter
 
     if not isinstance(adapter, HFCausalLMAdapter):
         return adapter, f'off: a {type(adapter).__name__} has no MTP head'

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ConfigError, InvalidRequestError
+from ...errors import ConfigError, InvalidRequestError
 
-ROLES = ('system', 'user', 'assistant', 'raw')
 RAW = ('raw', '')  # a raw segment as the conversation records it
 _MARK = 'flashrt-reply-mark'  # probe content that finds the end-of-turn text
 
@@ -36,17 +35,6 @@ class TurnPlan:
 def turn_count(roles) -> int:
     """Return how many assistant turns (replies) a conversation's roles hold."""
     return sum(role == 'assistant' for role in roles)
-
-
-def check_messages(messages) -> tuple:
-    """Return a capsule's conversation as a tuple of (role, content); ValueError if bad."""
-    out = []
-    for message in messages:
-        role, content = message  # a pair, or ValueError/TypeError
-        if role not in ROLES or not isinstance(content, str):
-            raise ValueError(f'bad conversation message {message!r}')
-        out.append((role, content))
-    return tuple(out)
 
 
 class ChatTemplate:

@@ -25,8 +25,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .errors import FlashRTError, InvalidRequestError
-from .preemption import guarded_forward, StepAborted
+from ...errors import FlashRTError, InvalidRequestError
+from ...preemption import guarded_forward, StepAborted
 
 STOP_REASONS = ('max_tokens', 'eos', 'stop_string', 'interrupted', 'max_seq_len', 'error')
 
@@ -343,7 +343,7 @@ class Generation:
                 self.prompt_consumed,
             )
             if tps > 0:
-                rt._decode_tps = tps
+                rt.driver.decode_tps = tps
             try:
                 if commit and self.started and rt.writer.turn is self and not rt._closed:
                     if self.closes_turn:

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from .engine import replay_mismatch, WARMUP_STEPS
+from ...engine import replay_mismatch, WARMUP_STEPS
 
 CHECK_POSITION = 3  # where a captured phase's first replay is compared with an eager run
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
 
 ZEROS = 16  # zero crossings each side of the filter, at the lower rate
 ROLLOFF = 0.94  # cutoff as a fraction of the lower Nyquist (room for the transition band)
