@@ -67,7 +67,7 @@ class PolicyMode(Mode):
 
     @property
     def joint_names(self):
-        """The name of each action dimension (may be empty)."""
+        """Return the name of each action dimension (may be empty)."""
         return self.runtime.policy_spec.joint_names or self._joints
 
     def tick_period(self):

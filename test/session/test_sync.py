@@ -19,8 +19,8 @@ def test_each_message_is_folded_in_once_and_the_nearest_one_is_chosen():
         assert sync.put(KEYS[0], f's{i}', t) == (None, KEYS[1])
     observation, stamp = sync.put(KEYS[1], 'top', 10.024)
     assert observation == {KEYS[0]: 's2', KEYS[1]: 'top'} and stamp == 10.024
-    assert sync.put(KEYS[1], 'top again', 10.025) == ({KEYS[0]: 's3', KEYS[1]: 'top again'},
-                                                       10.03)
+    matched = ({KEYS[0]: 's3', KEYS[1]: 'top again'}, 10.03)
+    assert sync.put(KEYS[1], 'top again', 10.025) == matched
     assert sync.put(KEYS[1], 'late', 10.026) == (None, KEYS[0])  # s0..s3 are used up
 
 

@@ -14,6 +14,10 @@ arena by models/binding.CacheBinding, exactly like a language model's) -> action
 
 Loading (`model` of the RuntimeConfig):
   * `builtin:tiny-policy` - seeded random weights (models/builtin.POLICY_BUILTINS);
+  * `builtin:act-arm` - a seeded ACT written once in LeRobot's format to the cache folder
+    (models/builtin.LEROBOT_BUILTINS) and loaded from there like any LeRobot checkpoint;
+  * a LeRobot checkpoint folder (`config.json` with its `type`, `model.safetensors`, the
+    normalizer files; models/lerobot.py, models/act.py);
   * a directory holding `policy.json` (or `policy.yaml`) and `model.safetensors`:
 
         {"obs_dim": 4, "action_dim": 2, "horizon": 8,
@@ -77,7 +81,7 @@ import torch
 
 from .base import PolicyAdapter, PolicySpec
 from .binding import BindingDelegate, CacheBinding, module_fingerprint, PROBE_TOKENS
-from .builtin import POLICY_BUILTINS, SEED
+from .builtin import LEROBOT_BUILTINS, POLICY_BUILTINS, SEED
 from .kernels import route_kernels
 from ..errors import ConfigError, FlashRTError
 from ..state.arena import StateSpec
@@ -154,13 +158,14 @@ class PolicyConfig:
         return cls(spec, dict(backbone), float(scale), float(noise), module, dict(kwargs))
 
     def to_dict(self) -> dict[str, Any]:
-        return {**spec_dict(self.spec), 'backbone': self.backbone, 'action_scale': self.action_scale,
+        return {**spec_dict(self.spec), 'backbone': self.backbone,
+                'action_scale': self.action_scale,
                 'action_noise_std': self.action_noise_std, 'module': self.module,
                 'module_kwargs': self.module_kwargs}
 
 
 def spec_dict(spec: PolicySpec) -> dict[str, Any]:
-    """The spec as policy.json holds it (JSON-able; part of the policy's fingerprint)."""
+    """Return the spec as policy.json holds it (JSON-able; part of the fingerprint)."""
     d = dataclasses.asdict(spec)
     d.update(joint_names=list(spec.joint_names), observation_names=list(spec.observation_names),
              images=[[k, list(v)] for k, v in spec.images])
@@ -297,11 +302,15 @@ class ModulePolicyAdapter(PolicyAdapter):
 
 
 def is_policy_model(model_id: str) -> bool:
-    """Whether `model` names a built-in policy or a directory holding a policy config."""
+    """Whether `model` names a built-in policy, a policy.json folder or a LeRobot checkpoint."""
+    from .lerobot import is_lerobot_checkpoint
+
     if model_id.startswith('builtin:'):
-        return model_id.split(':', 1)[1] in POLICY_BUILTINS
+        name = model_id.split(':', 1)[1]
+        return name in POLICY_BUILTINS or name in LEROBOT_BUILTINS
     path = Path(model_id).expanduser()
-    return any((path / name).is_file() for name in CONFIG_FILES)
+    return (any((path / name).is_file() for name in CONFIG_FILES)
+            or is_lerobot_checkpoint(path))
 
 
 def read_config(path: Path) -> PolicyConfig:
@@ -336,6 +345,13 @@ def build_module(config: PolicyConfig) -> torch.nn.Module:
 def load_policy(model_id: str, device: torch.device, dtype: torch.dtype,
                 max_steps: int) -> ModulePolicyAdapter:
     """`builtin:<policy>` or a local policy checkpoint directory (never downloads)."""
+    from .lerobot import is_lerobot_checkpoint
+
+    name = model_id.split(':', 1)[1] if model_id.startswith('builtin:') else ''
+    if name in LEROBOT_BUILTINS:
+        return load_lerobot(str(builtin_checkpoint(name)), device, dtype, max_steps, model_id)
+    if not name and is_lerobot_checkpoint(Path(model_id).expanduser()):
+        return load_lerobot(model_id, device, dtype, max_steps)
     if model_id.startswith('builtin:'):
         config = PolicyConfig.from_dict(POLICY_BUILTINS[model_id.split(':', 1)[1]], model_id)
         # Weights come from a private RNG so building never disturbs the caller's seed.
@@ -356,6 +372,54 @@ def load_policy(model_id: str, device: torch.device, dtype: torch.dtype,
             ) from exc
     module = module.to(device=device, dtype=dtype)
     return ModulePolicyAdapter(module, config.spec, max_steps, config.to_dict(), model_id)
+
+
+def builtin_checkpoint(name: str) -> Path:
+    """
+    Return the folder of LeRobot-format built-in `name`, writing it first if need be.
+
+    It lives in the user's cache under a digest of its recipe, so a changed recipe is a new
+    folder; it is written to a temporary folder and renamed, so a reader never sees half.
+    """
+    import hashlib
+    import os
+    import shutil
+    import tempfile
+
+    from .lerobot import save_act_checkpoint
+
+    recipe = LEROBOT_BUILTINS[name]
+    digest = hashlib.sha256(json.dumps([recipe, SEED], sort_keys=True).encode()).hexdigest()
+    cache = Path(os.environ.get('XDG_CACHE_HOME') or Path.home() / '.cache')
+    folder = cache / 'flashrt_ros' / 'builtin' / f'{name}-{digest[:12]}'
+    if folder.is_dir():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f'.{name}-', dir=folder.parent))
+    try:
+        stats = {k: {s: torch.tensor(v) for s, v in d.items()}
+                 for k, d in recipe['stats'].items()}
+        save_act_checkpoint(scratch, seed=SEED, stats=stats, **recipe['config'])
+        os.rename(scratch, folder)
+    except OSError:
+        if not folder.is_dir():  # not another process's rename that won: a real failure
+            raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return folder
+
+
+def load_lerobot(path: str, device: torch.device, dtype: torch.dtype, max_steps: int,
+                 model_id: str = '') -> ModulePolicyAdapter:
+    """Load a LeRobot checkpoint folder (config.json, model.safetensors, normalizer files)."""
+    from .act import load_act
+
+    module, fields = load_act(Path(path).expanduser(), device, dtype)
+    spec = PolicySpec(fields['obs_dim'], fields['action_dim'], fields['horizon'],
+                      images=tuple((k, tuple(v)) for k, v in fields['images']),
+                      replan=fields['replan'], note=fields['normalization'])
+    identity = {'lerobot': fields['config'], 'spec': spec_dict(spec)}
+    return ModulePolicyAdapter(module, spec, max_steps, identity, model_id or path)
 
 
 def save_policy(model_id: str, directory: str | Path) -> Path:
