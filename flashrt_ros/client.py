@@ -31,7 +31,7 @@ import time
 from flashrt_ros.action import Generate, ImportCapsule
 from flashrt_ros.msg import ActionChunk, AudioChunk, CapsuleEvent, Interrupt, TokenChunk
 from flashrt_ros.qos import AUDIO_QOS, COMMAND_QOS, INTERRUPT_QOS  # noqa: F401 (re-exported)
-from flashrt_ros.qos import FEEDBACK_QOS, STREAM_QOS
+from flashrt_ros.qos import FEEDBACK_QOS, IMAGE_QOS, STREAM_QOS
 from flashrt_ros.spin import spin_until_shutdown
 from flashrt_ros.srv import DeleteCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
 from lifecycle_msgs.srv import ChangeState, GetState
@@ -40,7 +40,7 @@ from rclpy.action import ActionClient
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.context import Context
 from rclpy.executors import MultiThreadedExecutor
-from sensor_msgs.msg import JointState
+from sensor_msgs.msg import Image, JointState
 from std_msgs.msg import Empty, Float32MultiArray, String
 from std_srvs.srv import Trigger
 
@@ -212,6 +212,7 @@ class FlashRTClient:
                                               f'{self.base}/observation_vector', COMMAND_QOS)
         self._audio_pub = n.create_publisher(AudioChunk, f'{self.base}/audio', AUDIO_QOS)
         self._flush_pub = n.create_publisher(Empty, f'{self.base}/flush', COMMAND_QOS)
+        self._image_pubs = {}  # topic -> publisher, made at the first image for a camera
 
         self._feedback = queue.SimpleQueue()  # (feedback_callback, chunk), in arrival order
         self._feedback_thread = threading.Thread(target=self._deliver_feedback,
@@ -441,13 +442,33 @@ class FlashRTClient:
         """Publish a raw observation vector on ~/observation_vector (policy mode)."""
         self._vector_pub.publish(Float32MultiArray(data=[float(v) for v in values]))
 
-    def publish_joint_state(self, names, position=(), velocity=(), effort=()):
-        """Publish a sensor_msgs/JointState on ~/observation (policy mode)."""
+    def publish_joint_state(self, names, position=(), velocity=(), effort=(), stamp=None):
+        """Publish a sensor_msgs/JointState on ~/observation (policy mode; stamp: now)."""
         msg = JointState(name=list(names), position=[float(v) for v in position],
                          velocity=[float(v) for v in velocity],
                          effort=[float(v) for v in effort])
-        msg.header.stamp = self.node.get_clock().now().to_msg()
+        msg.header.stamp = stamp or self.node.get_clock().now().to_msg()
         self._joint_state_pub.publish(msg)
+
+    def publish_image(self, camera, pixels, height, width, encoding='rgb8', stamp=None,
+                      topic=None):
+        """
+        Publish an 8-bit image (bytes, rows packed) on ~/image/<camera> (or `topic`).
+
+        A camera policy matches it with the joint state of the same stamp (sync_slop); give
+        both the same `stamp` (builtin_interfaces/Time; default now).
+        """
+        topic = topic or f'{self.base}/image/{camera}'
+        if topic not in self._image_pubs:
+            self._image_pubs[topic] = self.node.create_publisher(Image, topic, IMAGE_QOS)
+        msg = Image(height=int(height), width=int(width), encoding=encoding,
+                    step=len(pixels) // max(int(height), 1), data=bytes(pixels))
+        msg.header.stamp = stamp or self.node.get_clock().now().to_msg()
+        self._image_pubs[topic].publish(msg)
+
+    def now(self):
+        """Return the client node's clock now, as a builtin_interfaces/Time (for stamps)."""
+        return self.node.get_clock().now().to_msg()
 
     def publish_audio(self, samples, sample_rate=24000, first_sample=-1):
         """Publish mono samples (int16 or float32 values) as one AudioChunk on ~/audio."""

@@ -1,14 +1,17 @@
 """
 The `make demo-policy` session: execution-state capsules for a robot policy, over ROS 2.
 
-Starts the flashrt node in policy mode (builtin:tiny-policy, one control step per
+Starts the flashrt node in policy mode with an ACT policy in LeRobot's checkpoint format
+(builtin:act-arm: seeded weights, one top camera, temporal ensembling; one control step per
 observation) and closes the loop with a simulated planar 2-link arm, integrated here in
-plain Python (deterministic): each step publishes the arm's JointState on ~/observation,
-waits for the ActionChunk on ~/actions and applies the chunk's first action (joint
-torques) for one control period. Then: snapshot at a decision point, try branch A, restore,
-try branch B (a push on the elbow), restore again and replay A (its actions must be equal
-bit for bit), roll back a few control steps, e-stop (the action queue is dropped), and
+plain Python (deterministic): each step publishes the arm's JointState on ~/observation and
+a picture of it from above on ~/image/top with the same stamp, waits for the ActionChunk on
+~/actions and applies its first action (joint torques) for one control period. Then:
+snapshot at a decision point, try branch A, restore, try branch B (a push on the elbow),
+restore again and replay A (its actions must be equal bit for bit: the ensembling buffer is
+in the capsule), roll back a few control steps, e-stop (the action queue is dropped), and
 ~/reset to home. Prints a short report, stops the node by PID, exits 0 when every check holds.
+`--model builtin:tiny-policy` runs the same session on the joint-state-only policy.
 """
 
 import math
@@ -16,6 +19,7 @@ import sys
 import time
 
 from flashrt_ros.demo import _wait_event, run_demo  # the `make demo` helpers
+import numpy as np
 
 JOINTS = ('shoulder', 'elbow')
 DT = 0.05  # s per control step
@@ -52,19 +56,42 @@ class Arm:
         return math.cos(a) + math.cos(b), math.sin(a) + math.sin(b)
 
 
+CAMERA = (96, 128)  # height, width of the top camera's picture
+
+
+def picture(q):
+    """Draw the arm at joint angles q from above: rgb8 bytes, CAMERA[0] rows of CAMERA[1]."""
+    h, w = CAMERA
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    scale, base = h / 5.0, (w / 2.0, h / 2.0)
+    elbow = (base[0] + scale * math.cos(q[0]), base[1] + scale * math.sin(q[0]))
+    tip = (elbow[0] + scale * math.cos(q[0] + q[1]), elbow[1] + scale * math.sin(q[0] + q[1]))
+    image = np.full((h, w, 3), (40, 40, 48), dtype=np.uint8)
+    for (ax, ay), (bx, by), colour in ((base, elbow, (230, 120, 40)),
+                                       (elbow, tip, (60, 160, 230))):
+        dx, dy = bx - ax, by - ay
+        t = np.clip(((x - ax) * dx + (y - ay) * dy) / (dx * dx + dy * dy), 0.0, 1.0)
+        near = (x - ax - t * dx) ** 2 + (y - ay - t * dy) ** 2 < 9.0  # a 3-pixel half width
+        image[near] = colour
+    return image.tobytes()
+
+
 class Loop:
     """The arm and the node in lock step: one observation out, one ActionChunk back."""
 
-    def __init__(self, client):
-        self.client = client
+    def __init__(self, client, camera):
+        self.client, self.camera = client, camera
         self.chunks = []
         client.subscribe_actions(self.chunks.append)
         time.sleep(0.3)
 
     def observe(self, q, dq, timeout=10.0):
-        """Publish one JointState; return the ActionChunk of the control step it caused."""
+        """Publish one JointState (and picture); return the ActionChunk of its control step."""
         start = len(self.chunks)
-        self.client.publish_joint_state(JOINTS, q, dq)
+        stamp = self.client.now()
+        if self.camera:
+            self.client.publish_image('top', picture(q), *CAMERA, stamp=stamp)
+        self.client.publish_joint_state(JOINTS, q, dq, stamp=stamp)
         deadline = time.monotonic() + timeout
         while len(self.chunks) == start:
             if time.monotonic() > deadline:
@@ -82,6 +109,17 @@ class Loop:
         return [self.step(arm) for _ in range(steps)]
 
 
+def _takes_images(client, timeout=3.0):
+    """Whether the node subscribes to ~/image/top (a camera policy) once its inputs are up."""
+    client.wait_for_subscribers(10.0, 'observation')
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if client.node.count_subscribers(f'{client.base}/image/top'):
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def _tip(arm):
     x, y = arm.tip()
     return f'({x:+.3f}, {y:+.3f})'
@@ -90,7 +128,7 @@ def _tip(arm):
 def _run_session(client, report, events):
     from flashrt_ros.msg import Interrupt
 
-    loop = Loop(client)
+    loop = Loop(client, camera=_takes_images(client))
     report.section('Home capsule (empty policy state, taken at activation)')
     home = {c.name: c for c in client.list_capsules().capsules}['home']
     home_digest = client.state_digest()
@@ -143,7 +181,7 @@ def _run_session(client, report, events):
     replay = loop.run(arm, BRANCH_STEPS)
     same = sum(x == y for x, y in zip(replay, branch_a))
     report.check(replay == branch_a, f'replayed actions equal A bit for bit ({same}/'
-                 f'{BRANCH_STEPS} chunks x 16 floats, RNG noise included)')
+                 f'{BRANCH_STEPS} chunks)')
     report.check(client.state_digest() == digest_a and _tip(arm) == tip_a,
                  'policy state digest and arm position equal the end of A')
 
@@ -188,9 +226,10 @@ def _policy_session(node, client, workdir, params, report, events):
 
 def main(argv=None):
     """Run the policy demo; return 0 when every check passed."""
-    return run_demo(argv, doc=__doc__, title='policy demo', default_model='builtin:tiny-policy',
-                    params={'mode': 'policy', 'max_seq_len': 1024, 'interrupt_policy': 'stop'},
-                    random_note='random weights: the arm does not reach for anything; the '
+    return run_demo(argv, doc=__doc__, title='policy demo', default_model='builtin:act-arm',
+                    params={'mode': 'policy', 'max_seq_len': 1024, 'interrupt_policy': 'stop',
+                            'joint_names': list(JOINTS)},
+                    random_note='seeded weights: the arm does not reach for anything; the '
                                 'state handling is real',
                     session=_policy_session)
 

@@ -73,8 +73,8 @@ class ObservationInputs(ModeInputs):
                             IMAGE_QOS)
 
     def _observe(self, mode, key, value, header, msg_info):
-        now = self._node.get_clock().now().nanoseconds * 1e-9
-        stamp = messages.seconds_of(header.stamp) if header is not None else 0.0
+        now = self._node.get_clock().now().nanoseconds
+        stamp = messages.nanoseconds_of(header.stamp) if header is not None else 0
         mode.observe_input(key, value, stamp or now, received_time(msg_info), now)
 
     def _joint_state(self, msg, msg_info):

@@ -179,9 +179,14 @@ def action_chunk(step, rows, names, stamp, dt):
     return msg
 
 
-def seconds_of(stamp):
-    """Return the seconds of a builtin_interfaces/Time."""
-    return stamp.sec + stamp.nanosec * 1e-9
+def nanoseconds_of(stamp):
+    """Return a builtin_interfaces/Time as integer nanoseconds."""
+    return stamp.sec * 1_000_000_000 + stamp.nanosec
+
+
+def time_of(nanoseconds):
+    """Return integer nanoseconds (>= 0) as a builtin_interfaces/Time, exactly."""
+    return Time(sec=nanoseconds // 1_000_000_000, nanosec=nanoseconds % 1_000_000_000)
 
 
 def joint_trajectory(rows, names, dt, field, now):

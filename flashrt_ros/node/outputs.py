@@ -87,7 +87,7 @@ class RosOutputs(Outputs):
     def actions(self, step, rows, names, stamp=None):
         """Publish action rows as an ActionChunk (and a JointTrajectory if enabled)."""
         param = self._node.get_parameter
-        when = self._stamp() if stamp is None else messages.stamp(stamp)
+        when = self._stamp() if stamp is None else messages.time_of(stamp)
         dt = 1.0 / param('control_rate').value
         self._actions.publish(messages.action_chunk(step, rows, names, when, dt))
         if self._trajectory is not None:

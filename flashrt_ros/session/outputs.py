@@ -23,8 +23,8 @@ class Outputs:
         """
         Publish action rows [[a_0 .. a_A-1], ...] of the control step `step`.
 
-        stamp: the stamp of the observation they answer (seconds on the node's clock; None:
-        now).
+        stamp: the stamp of the observation they answer (integer nanoseconds on the node's
+        clock; None: now).
         """
 
     def transcript(self, utterance, index, ids, text, final):

@@ -48,7 +48,7 @@ class PolicyMode(Mode):
                 f'joint_names has {len(self._joints)} names; this policy has {spec.action_dim} '
                 f'action dimensions and a state of {spec.obs_dim} (its positions)')
         self._sync = ObservationSync([STATE_KEY] * bool(spec.obs_dim) +
-                                     [key for key, _ in spec.images], param('sync_slop'))
+                                     [key for key, _ in spec.images], _ns(param('sync_slop')))
         self._missing_said = {}         # input -> wall time its absence was last reported
 
     @staticmethod
@@ -82,33 +82,33 @@ class PolicyMode(Mode):
         """
         Take one input (the state vector or one camera's image) stamped `stamp`.
 
-        Inputs are matched by stamp (sync.py, sync_slop); a complete match is observed. Times
-        are seconds: stamp and now on the node's clock, received wall time at the middleware.
-        A stale stamp (older than max_observation_age) or a camera silent for that long next
-        to the other inputs is refused on ~/events, and nothing is stepped.
+        Inputs are matched by stamp (sync.py, sync_slop); a complete match is observed.
+        stamp and now are integer nanoseconds on the node's clock, received is wall time (s)
+        at the middleware. A stale stamp (older than max_observation_age) is refused on
+        ~/events, and so are inputs that waited that long for another one (a silent camera).
         """
         if key not in self._sync.keys:
             self.reject_observation(f'this policy takes no {key} (it takes '
                                     f'{list(self._sync.keys)})', key=key)
             return
         age_limit = self._param('max_observation_age')
-        if age_limit > 0 and now - stamp > age_limit:
-            self.reject_observation(f'{key} is stamped {now - stamp:.3f} s ago, more than '
-                                    f'max_observation_age ({age_limit:g} s)', key=key)
+        if age_limit > 0 and now - stamp > _ns(age_limit):
+            self.reject_observation(f'{key} is stamped {(now - stamp) * 1e-9:.3f} s ago, more '
+                                    f'than max_observation_age ({age_limit:g} s)', key=key)
             return
         with self._gate:
             if received <= self._interrupted_at:
                 return  # sent before the last interrupt/reset: it belongs to the stopped episode
-            observation, found = self._sync.put(key, value, stamp)
-            if observation is None:  # `found` names the input with nothing near `stamp`
-                newest = self._sync.newest(found)
-                if age_limit > 0 and (newest is None or abs(now - newest) > age_limit):
-                    self.reject_observation(
-                        f'no {found} within sync_slop ({self._sync.slop:g} s) of {key} and '
-                        f'none in the last max_observation_age ({age_limit:g} s): is its topic '
-                        'publishing?', key=found)
+            observation, stamp = self._sync.put(key, value, stamp)
+            if observation is not None:
+                self.observe(observation, received, stamp)
                 return
-            self.observe(observation, received, found)
+            missing = self._sync.expire(now - _ns(age_limit)) if age_limit > 0 else ''
+            if missing:
+                self.reject_observation(
+                    f'no {missing} came within sync_slop ({self._param("sync_slop"):g} s) of '
+                    f'the other inputs for max_observation_age ({age_limit:g} s): is its topic '
+                    'publishing?', key=missing)
 
     def observe(self, values, received, stamp=None):
         """Take an observation (vector or dict) the middleware received at wall time `received`."""
@@ -188,3 +188,7 @@ class PolicyMode(Mode):
         self._stamp = stamp
         if not self._timer_stepping:
             self._out.actions(chunk.step, chunk.actions.tolist(), self.joint_names, stamp)
+
+
+def _ns(seconds):
+    return int(round(seconds * 1e9))

@@ -24,6 +24,15 @@ def test_each_message_is_folded_in_once_and_the_nearest_one_is_chosen():
     assert sync.put(KEYS[1], 'late', 10.026) == (None, KEYS[0])  # s0..s3 are used up
 
 
+def test_messages_that_waited_too_long_expire_naming_the_missing_input():
+    sync = ObservationSync(KEYS[:2], slop=5)
+    for t in (100, 110, 120):
+        assert sync.put(KEYS[0], 's', t) == (None, KEYS[1])
+    assert sync.expire(before=105) == KEYS[1] and sync.newest(KEYS[0]) == 120
+    assert sync.expire(before=105) == ''
+    assert sync.put(KEYS[1], 't', 119) == ({KEYS[0]: 's', KEYS[1]: 't'}, 120)
+
+
 def test_stamps_farther_apart_than_the_slop_wait_and_clear_forgets():
     sync = ObservationSync(KEYS[:2], slop=0.005)
     assert sync.put(KEYS[0], 's', 1.00) == (None, KEYS[1])

@@ -95,6 +95,30 @@ POLICY_BUILTINS: dict[str, dict[str, Any]] = {
 }
 
 
+# LeRobot-format policies (models/lerobot.py): written once from their seed into the cache
+# folder, then loaded from there by the code that loads a user's LeRobot checkpoint.
+_IMAGENET = {'mean': [0.485, 0.456, 0.406], 'std': [0.229, 0.224, 0.225]}
+LEROBOT_BUILTINS: dict[str, dict[str, Any]] = {
+    # The demo's 2-link arm: joint positions and a 96x128 top camera in, joint torques out;
+    # 20-step chunks blended by temporal ensembling (its buffer is state, so capsules hold it).
+    'act-arm': {
+        'config': {
+            'input_features': {
+                'observation.state': {'type': 'STATE', 'shape': [2]},
+                'observation.images.top': {'type': 'VISUAL', 'shape': [3, 96, 128]}},
+            'output_features': {'action': {'type': 'ACTION', 'shape': [2]}},
+            'chunk_size': 20, 'n_action_steps': 1, 'temporal_ensemble_coeff': 0.01,
+            'pretrained_backbone_weights': None, 'dim_model': 64, 'n_heads': 4,
+            'dim_feedforward': 256, 'n_encoder_layers': 2, 'n_decoder_layers': 1,
+            'latent_dim': 8, 'n_vae_encoder_layers': 1},
+        'stats': {
+            'observation.state': {'mean': [0.0, 0.0], 'std': [1.0, 1.0]},
+            'observation.images.top': _IMAGENET,
+            'action': {'mean': [0.0, 0.0], 'std': [0.5, 0.5]}},
+    },
+}
+
+
 # Streaming speech-to-text (models/speech.py): a Kyutai STT decoder over a Mimi encoder at
 # 24 kHz, 80 ms frames. Windows are small (3 frames of codec context, 8 decoder steps) so
 # that tests run past the point where the sliding-window caches wrap around.
