@@ -1,5 +1,5 @@
 # Fresh machine (Debian/Ubuntu x86_64, Python 3.10+, no ROS): `make demo`, `make test`.
-.PHONY: setup test reliability demo demo-policy demo-speech bench bench-quick bench-peer lint clean
+.PHONY: setup test reliability demo demo-policy demo-speech bench bench-quick bench-peer bench-lerobot lint clean
 
 setup:
 	bash scripts/bootstrap.sh
@@ -42,6 +42,13 @@ bench-quick: setup
 bench-peer: setup
 	bash scripts/peer_env.sh
 	mkdir -p $(BENCH_OUT) && . ./env.sh && cd $(BENCH_OUT) && python -m flashrt_ros.bench --out . --peer-python $(PEER_PYTHON) --only fig4,fig7 $(ARGS)
+
+# ACT against LeRobot 0.4.4 itself (parity and time per chunk) in build/lerobot-venv (~6 GB).
+LEROBOT_PYTHON = $(CURDIR)/build/lerobot-venv/bin/python
+
+bench-lerobot: setup
+	bash scripts/lerobot_env.sh
+	mkdir -p $(BENCH_OUT) && . ./env.sh && cd $(BENCH_OUT) && python -m flashrt_ros.bench.lerobot_parity --out . --lerobot-python $(LEROBOT_PYTHON) $(ARGS)
 
 clean:
 	rm -rf build install log env.sh

@@ -24,9 +24,10 @@ IMPORT_TO_KEY = {
 LOCAL = {'flashrt_ros', 'conftest', 'node_harness', 'session_harness', 'runtime_harness',
          'checkpoint_harness',
          'reliability_harness', 'test_preemption', 'test_soak'}  # this repository's tests
-# Imported only by flashrt_ros/bench/peer_worker.py, which runs in build/peer-venv (make
-# bench-peer: llama.cpp and its converter), never in the package's own environment.
-PEER_ONLY = {'llama_cpp', 'gguf', 'convert_hf_to_gguf', 'conversion'}
+# Imported only by flashrt_ros/bench/peer_worker.py and lerobot_worker.py, which run in
+# build/peer-venv (make bench-peer: llama.cpp and its converter) and build/lerobot-venv (make
+# bench-lerobot), never in the package's own environment.
+PEER_ONLY = {'llama_cpp', 'gguf', 'convert_hf_to_gguf', 'conversion', 'lerobot'}
 # Used when installed, never required (the import is guarded): two incompatible ROS 2
 # packages share this name, and the node takes either (docs/semantics.md, speech mode).
 OPTIONAL = {'audio_common_msgs'}

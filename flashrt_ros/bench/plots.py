@@ -299,6 +299,27 @@ PLOTS = {'fig1': fig1, 'fig2': fig2, 'fig3': fig3, 'fig4': fig4, 'fig5': fig5,
          'fig5disk': fig5disk, 'fig6': fig6, 'fig7': fig7, 'fig8': fig8}
 
 
+def lerobot_parity(result, path):
+    """ACT ms per chunk, LeRobot beside this runtime (p10-p90 bars), per timed case."""
+    rows = [r for r in result['rows'] if 'lerobot_chunk_ms' in r]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    x = range(len(rows))
+    for offset, key, label, colour in ((-0.2, 'lerobot_chunk_ms', 'LeRobot', BASELINE),
+                                       (0.2, 'ours_chunk_ms', 'flashrt_ros', OURS)):
+        med, err = _err([r[key] for r in rows])
+        ax.bar([i + offset for i in x], med, 0.4, yerr=err, label=label, color=colour,
+               capsize=3)
+    ax.set_xticks(list(x), [f"{r['case']}\n{r['chunk_speedup']:.2f}x" for r in rows])
+    ax.set_ylabel('ms per chunk (median)')
+    ax.set_title(f"ACT {rows[0]['parameters'] / 1e6:.1f} M parameters, "
+                 f"{result['threads']} threads; max abs difference "
+                 f"{max(r['chunk_max_abs'] for r in result['rows']):g}", fontsize=10)
+    ax.legend()
+    return _save(fig, path, f"LeRobot {result['lerobot']} (torch {result['torch_lerobot']}) "
+                 f"vs torch {result['torch_ours']}; load average "
+                 f"{result['load_average_before'][0]:.1f}")
+
+
 def plot_all(results, directory, name):
     """Write one PNG per figure that has results; return {figure: path}."""
     os.makedirs(directory, exist_ok=True)
