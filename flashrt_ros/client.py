@@ -31,7 +31,7 @@ import time
 from flashrt_ros.action import Generate, ImportCapsule
 from flashrt_ros.msg import ActionChunk, AudioChunk, CapsuleEvent, Interrupt, TokenChunk
 from flashrt_ros.qos import AUDIO_QOS, COMMAND_QOS, INTERRUPT_QOS  # noqa: F401 (re-exported)
-from flashrt_ros.qos import FEEDBACK_QOS, IMAGE_QOS, STREAM_QOS
+from flashrt_ros.qos import FEEDBACK_QOS, IMAGE_QOS, INSTRUCTION_QOS, STREAM_QOS
 from flashrt_ros.spin import spin_until_shutdown
 from flashrt_ros.srv import DeleteCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
 from lifecycle_msgs.srv import ChangeState, GetState
@@ -213,6 +213,8 @@ class FlashRTClient:
         self._audio_pub = n.create_publisher(AudioChunk, f'{self.base}/audio', AUDIO_QOS)
         self._flush_pub = n.create_publisher(Empty, f'{self.base}/flush', COMMAND_QOS)
         self._image_pubs = {}  # topic -> publisher, made at the first image for a camera
+        self._instruction_pub = n.create_publisher(String, f'{self.base}/instruction',
+                                                   INSTRUCTION_QOS)
 
         self._feedback = queue.SimpleQueue()  # (feedback_callback, chunk), in arrival order
         self._feedback_thread = threading.Thread(target=self._deliver_feedback,
@@ -465,6 +467,10 @@ class FlashRTClient:
                     step=len(pixels) // max(int(height), 1), data=bytes(pixels))
         msg.header.stamp = stamp or self.node.get_clock().now().to_msg()
         self._image_pubs[topic].publish(msg)
+
+    def publish_instruction(self, text):
+        """Publish a VLA policy's instruction on ~/instruction (transient local: it stays)."""
+        self._instruction_pub.publish(String(data=str(text)))
 
     def now(self):
         """Return the client node's clock now, as a builtin_interfaces/Time (for stamps)."""

@@ -19,6 +19,10 @@ INTERRUPT_QOS = QoSProfile(depth=1000, **_RELIABLE)
 # chunk in order while a stalled one should not pile up stale actions.
 COMMAND_QOS = QoSProfile(depth=10, **_RELIABLE)
 ACTIONS_QOS = COMMAND_QOS
+# ~/instruction: the task in force; a node that starts (or restarts) late still gets it.
+INSTRUCTION_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1,
+                             reliability=ReliabilityPolicy.RELIABLE,
+                             durability=DurabilityPolicy.TRANSIENT_LOCAL)
 # ~/audio*: every chunk, in order (a lost one changes the transcript); the depth holds a few
 # seconds of 20-80 ms chunks while a frame step or an interrupt runs.
 AUDIO_QOS = QoSProfile(depth=200, **_RELIABLE)

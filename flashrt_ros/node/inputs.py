@@ -9,12 +9,12 @@ to the session's mode; while the node is not active it says why the input was ig
 import functools
 
 from flashrt_ros.msg import AudioChunk
-from flashrt_ros.qos import AUDIO_QOS, COMMAND_QOS, IMAGE_QOS, OBSERVATION_QOS
+from flashrt_ros.qos import AUDIO_QOS, COMMAND_QOS, IMAGE_QOS, INSTRUCTION_QOS, OBSERVATION_QOS
 from flashrt_ros.runtime import InvalidRequestError
 from flashrt_ros.runtime.modes.policy import image_from_bytes, IMAGE_PREFIX, STATE_KEY
 import numpy as np
 from sensor_msgs.msg import Image, JointState
-from std_msgs.msg import Empty, Float32MultiArray, Int16MultiArray
+from std_msgs.msg import Empty, Float32MultiArray, Int16MultiArray, String
 
 from . import messages
 from .control import received_time, with_info
@@ -71,6 +71,12 @@ class ObservationInputs(ModeInputs):
         for key, topic in self.image_topics.items():
             self._subscribe(Image, topic, functools.partial(self._image, key, shapes[key]),
                             IMAGE_QOS)
+        if mode.takes_instruction:
+            self._subscribe(String, '~/instruction', self._instruction, INSTRUCTION_QOS)
+
+    def _instruction(self, msg, msg_info):
+        """Give a VLA its instruction (kept for activation while the node is inactive)."""
+        self._mode.instruct(msg.data, active=self._node.active)
 
     def _observe(self, mode, key, value, header, msg_info):
         now = self._node.get_clock().now().nanoseconds

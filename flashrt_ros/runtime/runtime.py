@@ -345,6 +345,30 @@ class Runtime:
         """Empty the action queue (what interrupt() does); return how many were dropped."""
         return self.driver.drop_actions()
 
+    def instruct(self, text: str) -> None:
+        """
+        Give a vision-language-action policy its instruction (a committed boundary).
+
+        The instruction is state: every later chunk is planned for it and a capsule carries
+        it. The action queue is dropped. InvalidRequestError for a policy that takes none or
+        a text it cannot hold (the state untouched).
+        """
+        self.driver.instruct(text)
+
+    def encode(self, observation) -> int:
+        """
+        Encode an observation into a VLA's prefix, without sampling (a committed boundary).
+
+        sample() then draws chunks from that prefix: each call draws new noise from the
+        runtime's RNG, so n calls give n candidate chunks from one prefix, computed once
+        (best-of-N); a capsule taken here replays them exactly. Returns the position.
+        """
+        return self.driver.encode(observation)
+
+    def sample(self) -> ActionChunk:
+        """Draw a chunk from the encoded prefix with the runtime's RNG (a committed boundary)."""
+        return self.driver.sample()
+
     # ---- a speech model's calls (modes/speech.py): audio in, text tokens out -------------
 
     @property

@@ -50,6 +50,7 @@ class PolicyMode(Mode):
         self._sync = ObservationSync([STATE_KEY] * bool(spec.obs_dim) +
                                      [key for key, _ in spec.images], _ns(param('sync_slop')))
         self._missing_said = {}         # input -> wall time its absence was last reported
+        self._instruction = None        # the newest instruction text (a VLA's)
 
     @staticmethod
     def serves(runtime):
@@ -140,6 +141,43 @@ class PolicyMode(Mode):
             if action is not None:
                 self._out.actions(rt.position, [action.tolist()], self.joint_names,
                                   self._stamp)
+
+    @property
+    def takes_instruction(self):
+        """Whether the policy keeps an instruction (a VLA): ~/instruction feeds it."""
+        return self.runtime.adapter.takes_instruction
+
+    def prepare_home(self, system_prompt):
+        # The home capsule holds the instruction in force at activation (none if none came).
+        if self._instruction is not None:
+            self.runtime.instruct(self._instruction)
+
+    def instruct(self, text, active=True):
+        """
+        Make `text` the policy's instruction (a committed boundary; the queue is dropped).
+
+        While the node is not active it is kept, and the home capsule taken at activation
+        holds it. Said on ~/events either way.
+        """
+        with self._gate:
+            if not active:
+                self._instruction = text
+                self._out.event('instruction', '', '', len(text), 0.0, True,
+                                'instruction kept: the home capsule taken at activation '
+                                'holds it')
+                return
+            t0 = time.perf_counter()
+            try:
+                self.runtime.instruct(text)
+            except FlashRTError as exc:
+                self._out.event('instruction', '', '', len(text), 0.0, False,
+                                f'{exc}; the instruction in force is unchanged')
+                return
+            self._instruction = text
+            self._out.event('instruction', '', '', len(text),
+                            (time.perf_counter() - t0) * 1e3, True,
+                            f'instruction in force from step {self.runtime.position}; action '
+                            'queue dropped')
 
     def forget_inputs(self, before=None):
         with self._gate:

@@ -146,6 +146,8 @@ class PolicyAdapter(StateAdapter):
     """
 
     spec: PolicySpec
+    takes_instruction = False  # instruct(text): a VLA keeps its instruction as state
+    has_prefix = False  # prefix(observation) once, then sample(generator) chunks from it
 
     @abstractmethod
     def act(self, observation: dict[str, torch.Tensor], position: int,

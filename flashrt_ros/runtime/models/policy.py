@@ -286,13 +286,37 @@ class ModulePolicyAdapter(PolicyAdapter):
         x = {k: v.to(self.device, self.dtype) for k, v in observation.items()}
         if not getattr(self.module, 'dict_observations', False):
             x = x['observation.state']  # [T, obs_dim]: a module of the vector contract
-        actions = self.module(x, position, generator)
+        return self._checked(self.module(x, position, generator))
+
+    def _checked(self, actions: torch.Tensor) -> torch.Tensor:
         if tuple(actions.shape) != (self.spec.horizon, self.spec.action_dim):
             raise FlashRTError(
                 f'policy module returned actions of shape {tuple(actions.shape)}; expected '
                 f'[horizon, action_dim] = [{self.spec.horizon}, {self.spec.action_dim}]'
             )
         return actions
+
+    @property
+    def takes_instruction(self) -> bool:
+        """Whether the module keeps an instruction (a VLA's `instruct(text)`)."""
+        return callable(getattr(self.module, 'instruct', None))
+
+    @property
+    def has_prefix(self) -> bool:
+        """Whether the module encodes a prefix once and samples chunks from it."""
+        return all(callable(getattr(self.module, m, None)) for m in ('prefix', 'sample'))
+
+    @torch.no_grad()
+    def instruct(self, text: str) -> None:
+        self.module.instruct(text)
+
+    @torch.no_grad()
+    def prefix(self, observation: dict[str, torch.Tensor]) -> None:
+        self.module.prefix({k: v.to(self.device, self.dtype) for k, v in observation.items()})
+
+    @torch.no_grad()
+    def sample(self, generator: torch.Generator) -> torch.Tensor:
+        return self._checked(self.module.sample(generator))
 
     def fingerprint(self) -> str:
         return module_fingerprint(self._identity, self.module, self.dtype)

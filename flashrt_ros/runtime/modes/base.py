@@ -123,6 +123,15 @@ class Driver:
     def drop_actions(self):
         raise self.refused('the action queue', POLICY)
 
+    def instruct(self, text):
+        raise self.refused('instruct()', POLICY)
+
+    def encode(self, observation):
+        raise self.refused('encode()', POLICY)
+
+    def sample(self):
+        raise self.refused('sample()', POLICY)
+
     # ---- a speech model's calls (modes/speech.py) --------------------------------------
 
     speech_spec = None

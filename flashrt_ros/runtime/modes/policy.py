@@ -191,6 +191,11 @@ class PolicyDriver(Driver):
             if STATE_KEY in x:
                 part[STATE_KEY] = x[STATE_KEY][start:start + HISTORY_CHUNK]
             actions = self.adapter.act(part, position + start, generator)  # [H, A]
+        self._queue(actions)
+        return self.chunk.to('cpu', copy=True)  # never hand out the arena view itself
+
+    def _queue(self, actions: torch.Tensor) -> None:
+        """Make a new chunk [H, A] the queue (NaN or Inf: none is, and the caller raises)."""
         if not torch.isfinite(actions).all():  # never queued for a robot: the caller's guard
             raise FlashRTError(                # puts the last committed state back
                 'the policy produced NaN or Inf actions; none were queued and the state is '
@@ -198,7 +203,6 @@ class PolicyDriver(Driver):
                 'model (dtype, weights)')
         self.chunk.copy_(actions)
         self.left.fill_(self.spec.horizon)
-        return self.chunk.to('cpu', copy=True)  # never hand out the arena view itself
 
     def steps_of(self, observation: dict[str, torch.Tensor]) -> int:
         """Return how many control steps (positions) a checked observation takes."""
@@ -253,6 +257,71 @@ class PolicyDriver(Driver):
         self.control_step_s = time.perf_counter() - t0
         return ActionChunk(cursor.position, actions, self.spec.joint_names,
                            self.control_step_s)
+
+    def instruct(self, text: str) -> None:
+        rt = self.rt
+        if not self.adapter.takes_instruction:
+            raise InvalidRequestError(f'model {rt.config.model!r} takes no instruction (a '
+                                      'vision-language-action policy such as SmolVLA does)')
+        if not isinstance(text, str) or '\0' in text:
+            raise InvalidRequestError('an instruction is a text without NUL characters')
+        with rt.writer.lock:
+            rt._check_idle()
+            try:
+                self.adapter.instruct(text)  # checks the text before it writes anything
+            except ValueError as exc:
+                raise InvalidRequestError(f'instruction refused: {exc}') from exc
+            self.left.zero_()  # the queued actions were planned for the old instruction
+            rt.writer.commit()
+
+    def encode(self, observation) -> int:
+        rt = self._prefixed()
+        observation = self.check_observation(observation)
+        with rt.writer.lock:
+            rt._check_idle()
+            x = {k: v.to(self.chunk.device) for k, v in observation.items()}
+            left = int(self.left)
+            try:
+                with guarded_forward(rt), torch.no_grad():
+                    self.adapter.prefix(x)
+            except BaseException:
+                if rt.ring.depth > 0:
+                    self.left.fill_(left)
+                raise
+            self.left.zero_()  # a chunk of the old prefix is not this observation's
+            rt.cursor.position += 1
+            rt.writer.commit()
+            return rt.cursor.position
+
+    def sample(self) -> ActionChunk:
+        rt = self._prefixed()
+        t0 = time.perf_counter()
+        with rt.writer.lock:
+            rt._check_idle()
+            if rt.cursor.position == 0:
+                raise InvalidRequestError('no observation is encoded yet: encode() or act() '
+                                          'first')
+            left = int(self.left)
+            try:
+                with guarded_forward(rt), torch.no_grad():
+                    actions = self.adapter.sample(rt.generator)  # [H, A]
+                self._queue(actions)
+            except BaseException:
+                if rt.ring.depth > 0:
+                    self.left.fill_(left)
+                raise
+            rt.writer.commit()
+            self.control_step_s = time.perf_counter() - t0
+            return ActionChunk(rt.cursor.position, self.chunk.to('cpu', copy=True),
+                               self.spec.joint_names, self.control_step_s)
+
+    def _prefixed(self):
+        if not self.adapter.has_prefix:
+            raise InvalidRequestError(
+                f'model {self.rt.config.model!r} keeps no observation prefix to sample from: '
+                'call act(observation) (encode/sample are for a vision-language-action '
+                'policy such as SmolVLA)')
+        return self.rt
 
     def next_action(self) -> torch.Tensor | None:
         with self.rt.writer.lock:
