@@ -17,6 +17,8 @@
 #   lerobot's own version bounds: no wandb, rerun, opencv, pynput, torchcodec, cmake.
 #   datasets (with pyarrow, pandas), diffusers and gymnasium are imported by the factory's
 #   module chain (dataset metadata, the GR00T config, env features), not used by ACT.
+# - SmolVLA's extra (lerobot[smolvla]): transformers within lerobot's bounds (>=4.57.1,<5;
+#   its tokenizers pin) and num2words (SmolVLM's processor refuses to load without it).
 # Set LEROBOT_TORCH to override the torch/torchvision pair, e.g. on aarch64
 # "torch==2.9.1 torchvision==0.24.1".
 set -euo pipefail
@@ -30,6 +32,7 @@ deps=(
   draccus==0.10.0 huggingface-hub==0.35.3 safetensors==0.8.0 einops==0.8.2 packaging==25.0
   datasets==4.8.5 accelerate==1.16.0 diffusers==0.35.2 imageio==2.38.2 av==15.1.0
   deepdiff==8.6.2 pyserial==3.5 gymnasium==1.4.0 numpy==2.4.6
+  transformers==4.57.6 tokenizers==0.22.2 num2words==0.5.14
 )
 stamp="lerobot==$lerobot_version $torch_pair ${deps[*]}"
 log() { printf '[lerobot] %s\n' "$*"; }
@@ -53,6 +56,7 @@ pip install --quiet $torch_pair "${deps[@]}"
 pip install --quiet --no-deps "lerobot==$lerobot_version"
 "$venv/bin/python" -c '
 import torch, lerobot.policies.act.modeling_act, lerobot.policies.factory
+import lerobot.policies.smolvla.modeling_smolvla
 from importlib.metadata import version
 print("lerobot", version("lerobot"), "torch", torch.__version__)'
 echo "$stamp" > "$venv/.flashrt-lerobot"

@@ -1,5 +1,5 @@
 """
-ACT parity against LeRobot itself: the same checkpoints, the same observations, both timed.
+ACT and SmolVLA parity against LeRobot itself: the same checkpoints and inputs, both timed.
 
     make bench-lerobot     (builds build/lerobot-venv, then runs this from build/bench-results)
     python -m flashrt_ros.bench.lerobot_parity --out DIR --lerobot-python PY [--threads N]
@@ -11,7 +11,9 @@ predict_action_chunk / select_action -> postprocessor on seeded observations. Th
 loads the same folders with `load_act` and computes the same chunks and select_action
 sequences on the same thread count; the two sides are timed in alternating rounds. Last,
 checkpoints written by `save_act_checkpoint` are loaded by LeRobot's `from_pretrained` and
-processor factory, to check our writer's format.
+processor factory, to check our writer's format. SmolVLA cases: LeRobot builds random
+weights over a small SmolVLM folder written here (config and tokenizer, no VLM weights); both
+sides get the same instruction and the SAME explicit noise, so chunks compare to rounding.
 Results: lerobot_parity.json and lerobot_parity.md in the output folder.
 """
 
@@ -43,6 +45,23 @@ CASES = (
     ('2cam_ensemble', ('top', 'wrist'), True,
      {'n_action_steps': 1, 'temporal_ensemble_coeff': 0.01}, 8),
 )
+# name, cameras (name, [3, H, W]), SmolVLAConfig overrides, save_tiny_vlm overrides, steps
+SMOLVLA_CASES = (
+    ('smolvla_tiny', (('top', [3, 48, 64]),),
+     {'chunk_size': 10, 'n_action_steps': 5, 'max_state_dim': 16, 'max_action_dim': 16,
+      'resize_imgs_with_padding': (64, 64), 'num_steps': 3,
+      'num_vlm_layers': 4}, {}, 10),
+    # SmolVLA's own layout, scaled down: 2 cameras padded to 256x256, 16 tokens each (pixel
+    # shuffle 4), 8 VLM layers alternating self- and cross-attention, 50-step chunks, 10 steps
+    ('smolvla_small_2cam', (('top', [3, 240, 320]), ('wrist', [3, 240, 320])),
+     {'resize_imgs_with_padding': (256, 256), 'num_vlm_layers': 8},
+     {'scale_factor': 4,
+      'vision_config': {'hidden_size': 192, 'intermediate_size': 768, 'num_hidden_layers': 4,
+                        'num_attention_heads': 3, 'image_size': 256, 'patch_size': 16},
+      'text_config': {'hidden_size': 384, 'intermediate_size': 1024, 'num_hidden_layers': 8,
+                      'num_attention_heads': 6, 'num_key_value_heads': 2, 'head_dim': 64}}, 50),
+)
+TASK = 'pick up the cube and place it in the bowl'
 STATE_DIM = ACTION_DIM = 14  # a bimanual arm (ALOHA); ACT's other defaults (chunk 100) kept
 PER_ROUND = 2  # timed runs per side per round; the sides alternate round by round
 
@@ -245,6 +264,93 @@ def run_case(worker, work, case, index, rounds, log):
     return row
 
 
+class OursSmolVLA(Ours):
+    """The same SmolVLA folder through `load_smolvla`, with the task and the noise LeRobot got."""
+
+    def __init__(self, directory, obs_path, steps, vlm, noise):
+        from flashrt_ros.runtime.models.smolvla import load_smolvla
+
+        self.module, self.spec = load_smolvla(directory, 'cpu', torch.float32, vlm_path=vlm)
+        self.state = {s.name: torch.zeros(s.shape, dtype=s.dtype)
+                      for s in self.module.state_specs(steps)}
+        self.module.bind(self.state)
+        self.module.instruct(TASK)
+        self.observations = _observations(obs_path, steps)
+        self.noise = noise
+        self.steps = steps
+
+    def run(self):
+        """Chunk on observation 0; select_action's sequence: a chunk whenever the queue empties."""
+        obs = self.observations
+        with torch.inference_mode():
+            chunk = self.module.predict_chunk(obs[0], self.noise).numpy()
+            actions, t = [], 0
+            while t < self.steps:
+                self.module.prefix(obs[t])
+                out = self.module.sample(None, self.noise)  # [n_action_steps, action_dim]
+                actions.append(out.numpy())
+                t += len(out)
+        return {'chunk': chunk, 'actions': np.concatenate(actions)[:self.steps]}
+
+    def time(self, what, repeats, warmup=0):
+        """Time a chunk (prefix and denoising), or one more draw over the kept prefix."""
+        obs = self.observations[0]
+        if what == 'sample':
+            self.module.prefix(obs)
+
+            def fn():
+                return self.module.sample(None, self.noise)
+        else:
+            def fn():
+                return self.module.predict_chunk(obs, self.noise)
+        with torch.inference_mode():
+            return samples_s(fn, repeats, warmup)
+
+
+def run_smolvla_case(worker, work, case, index, rounds, log):
+    """Build one SmolVLA with LeRobot over a small VLM folder, run and time both sides."""
+    from flashrt_ros.runtime.models.smolvla import save_tiny_vlm
+
+    name, cameras, overrides, vlm_overrides, steps = case
+    vlm = save_tiny_vlm(work / f'{name}-vlm', **vlm_overrides)
+    folder = work / name
+    stats = make_stats([cam for cam, _ in cameras], seed=500 + index)
+    stats_path = work / f'{name}-stats.npz'
+    np.savez(stats_path, **stats)
+    config = {'cameras': dict(cameras), 'state_dim': STATE_DIM, 'action_dim': ACTION_DIM,
+              'vlm_model_name': str(vlm), **overrides}
+    loaded = worker('build_smolvla', path=str(folder), config=config, seed=index,
+                    stats=str(stats_path))
+    checkpoint = json.loads((folder / 'config.json').read_text())
+    obs_path, noise_path = work / f'{name}-obs.npz', work / f'{name}-noise.npz'
+    write_observations(obs_path, checkpoint, steps, seed=600 + index, stats=stats)
+    noise = torch.randn(1, checkpoint['chunk_size'], checkpoint['max_action_dim'],
+                        generator=torch.Generator().manual_seed(700 + index))
+    np.savez(noise_path, noise=noise.numpy())
+    worker('load', path=str(folder))
+    out_path = work / f'{name}-lerobot.npz'
+    worker('run', obs=str(obs_path), out=str(out_path), steps=steps, task=TASK,
+           noise=str(noise_path))
+    mine = OursSmolVLA(folder, obs_path, steps, vlm, noise[0])
+    diffs = compare(out_path, mine.run())
+    diffs['within_tolerance'] = max(diffs['chunk_max_abs'], diffs['select_max_abs']) <= TOLERANCE
+    row = {'case': name, 'cameras': len(cameras), 'stats': True, **loaded,
+           'chunk_size': checkpoint['chunk_size'], 'n_action_steps': checkpoint['n_action_steps'],
+           'prefix_tokens': mine.spec['prefix_tokens'], 'steps': steps, **diffs}
+    timed = interleaved_ms(worker, mine, 'chunk', rounds, PER_ROUND)
+    row['lerobot_chunk_ms'], row['ours_chunk_ms'] = timed
+    row['chunk_speedup'] = ratio(row['lerobot_chunk_ms']['median'],
+                                 row['ours_chunk_ms']['median'])
+    row['chunk_speedup_p10'] = ratio(row['lerobot_chunk_ms']['p10'], row['ours_chunk_ms']['p10'])
+    # a further draw from the kept prefix (best-of-n): LeRobot has no such step
+    row['ours_sample_ms'] = summarize(mine.time('sample', rounds * PER_ROUND, 2), scale=1e3)
+    log(f"{name}: max |diff| chunk {row['chunk_max_abs']:.2e}, select "
+        f"{row['select_max_abs']:.2e}; chunk {row['lerobot_chunk_ms']['median']:.1f} ms "
+        f"(LeRobot) vs {row['ours_chunk_ms']['median']:.1f} ms (ours), "
+        f"x{row['chunk_speedup']:.2f}; a further draw {row['ours_sample_ms']['median']:.1f} ms")
+    return row
+
+
 def writer_stats(config, seed):
     """MEAN_STD stats for a config.json's features, image stats per channel ([C])."""
     rng = np.random.default_rng(seed)
@@ -304,7 +410,7 @@ def _cell(value, spec):
 
 def markdown(result):
     """Return the result as a small markdown table."""
-    lines = [f"# ACT: flashrt_ros vs LeRobot {result['lerobot']} "
+    lines = [f"# ACT and SmolVLA: flashrt_ros vs LeRobot {result['lerobot']} "
              f"({result['threads']} threads, CPU)", '',
              f"torch {result['torch_ours']} (ours), {result['torch_lerobot']} (LeRobot); "
              f'tolerance {TOLERANCE:g}; load average before/after '
@@ -317,15 +423,29 @@ def markdown(result):
                ('ours_chunk_ms', '.1f'), ('chunk_speedup', '.2f'), ('chunk_speedup_p10', '.2f'),
                ('lerobot_select_ms', '.1f'), ('ours_select_ms', '.1f'))
     for r in result['rows']:
+        if r['case'].startswith('smolvla'):
+            continue
         cells = [_cell(r.get(key), spec) for key, spec in columns]
         if 'error' in r:
             cells[0] = f"LeRobot refused it: {r['error'][:120]}"
         lines.append(f"| {r['case']} | {' | '.join(cells)} |")
+    smolvla = [r for r in result['rows'] if r['case'].startswith('smolvla')]
+    if smolvla:
+        lines += ['', 'SmolVLA (same instruction, same explicit noise; select_action over '
+                  'n_action_steps per chunk; a further draw reuses the prefix in the arena):', '',
+                  '| case | prefix tokens | max abs diff chunk | select_action seq | LeRobot '
+                  'ms/chunk | ours ms/chunk | speedup | ours ms/further draw |',
+                  '|---|---|---|---|---|---|---|---|']
+        for r in smolvla:
+            cells = [_cell(r.get(k), f) for k, f in (
+                ('chunk_max_abs', '.2e'), ('select_max_abs', '.2e'), ('lerobot_chunk_ms', '.1f'),
+                ('ours_chunk_ms', '.1f'), ('chunk_speedup', '.2f'), ('ours_sample_ms', '.1f'))]
+            lines.append(f"| {r['case']} | {r['prefix_tokens']} | {' | '.join(cells)} |")
     lines += ['', f"all within tolerance: {result['all_within_tolerance']}", '']
     return '\n'.join(lines)
 
 
-def parity(python, out, threads, rounds, log, keep=False):
+def parity(python, out, threads, rounds, log, keep=False, skip_smolvla=False):
     """Run every case and the writer check; write the JSON and markdown; return the result."""
     torch.set_num_threads(threads)
     load_before = os.getloadavg()
@@ -342,6 +462,9 @@ def parity(python, out, threads, rounds, log, keep=False):
                     for i, case in enumerate(CASES)]
             rows += [writer_check(worker, work, case, i, log)
                      for i, case in enumerate(WRITER_CASES)]
+            if not skip_smolvla:
+                rows += [run_smolvla_case(worker, work, case, i, rounds, log)
+                         for i, case in enumerate(SMOLVLA_CASES)]
         finally:
             worker.close()
     # a shared machine skews times; the load averages say how busy it was around the run
@@ -353,8 +476,9 @@ def parity(python, out, threads, rounds, log, keep=False):
               'all_within_tolerance': all(r['within_tolerance'] for r in rows)}
     (out / 'lerobot_parity.json').write_text(json.dumps(result, indent=1))
     (out / 'lerobot_parity.md').write_text(markdown(result))
-    if any('lerobot_chunk_ms' in r for r in rows):
-        lerobot_plot(result, str(out / 'cpu-lerobot-act.png'))
+    act = [r for r in rows if not r['case'].startswith('smolvla')]
+    if any('lerobot_chunk_ms' in r for r in act):  # the figure is ACT's
+        lerobot_plot({**result, 'rows': act}, str(out / 'cpu-lerobot-act.png'))
     return result
 
 
@@ -366,6 +490,8 @@ def main(argv=None):
     parser.add_argument('--threads', type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument('--rounds', type=int, default=5,
                         help=f'timing rounds after 2 warm-ups; {PER_ROUND} runs per side each')
+    parser.add_argument('--skip-smolvla', action='store_true',
+                        help='ACT only (SmolVLA needs transformers in the LeRobot environment)')
     parser.add_argument('--keep', action='store_true',
                         help='keep checkpoints and observations under OUT/lerobot-parity')
     args = parser.parse_args(argv)
@@ -374,7 +500,8 @@ def main(argv=None):
                      f'build/lerobot-venv) or pass --lerobot-python / set {LEROBOT_ENV}')
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = parity(args.lerobot_python, out, args.threads, args.rounds, Log(), args.keep)
+    result = parity(args.lerobot_python, out, args.threads, args.rounds, Log(), args.keep,
+                    args.skip_smolvla)
     print(markdown(result))
     return 0 if result['all_within_tolerance'] else 1
 

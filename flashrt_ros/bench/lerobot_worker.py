@@ -1,5 +1,5 @@
 """
-LeRobot side of the ACT parity benchmark; run as a script by the LeRobot environment's Python.
+LeRobot side of the ACT and SmolVLA parity benchmark; run by the LeRobot environment's Python.
 
     build/lerobot-venv/bin/python lerobot_worker.py
 
@@ -10,10 +10,13 @@ camera, divided by 255 here; float32 states [T, state_dim]); outputs go to an .n
   {"op": "threads", "n": n}                  torch.set_num_threads(n)
   {"op": "build", "path": d, "config": {...}, "seed": s, "stats": file.npz | null}
       a random-weight ACTPolicy and its processors, saved as LeRobot's training script does
-  {"op": "load", "path": d}                  ACTPolicy.from_pretrained + the processor factory
-  {"op": "run", "obs": file.npz, "out": file.npz, "steps": n}
+  {"op": "build_smolvla", "path": d, "config": {...}, "seed": s, "stats": file.npz | null}
+      the same for a SmolVLA over the VLM folder config["vlm_model_name"] (no VLM weights)
+  {"op": "load", "path": d}                  <type>Policy.from_pretrained + the processor factory
+  {"op": "run", "obs": file.npz, "out": file.npz, "steps": n, "task": str?, "noise": file.npz?}
       write 'chunk' (preprocessor -> predict_action_chunk -> postprocessor on observation 0)
-      and 'actions' (select_action over observations 0..steps-1 after reset())
+      and 'actions' (select_action over observations 0..steps-1 after reset()); a SmolVLA gets
+      the task and the same noise ('noise' [1, chunk_size, max_action_dim]) for every chunk
   {"op": "time", "what": "chunk"|"select", "repeats": r, "warmup": w}
       wall seconds of r chunks (or select_action steps that compute one) on observation 0
 """
@@ -39,15 +42,22 @@ def _features(config):
     return inputs, outputs
 
 
-def build(path, config, seed, stats=None):
+def build(path, config, seed, stats=None, smolvla=False):
     """Build a random-weight ACT with LeRobot's code and save it with its processors."""
     inputs, outputs = _features(dict(config))
     rest = {k: v for k, v in config.items() if k not in ('cameras', 'state_dim', 'action_dim')}
-    # ACT's default normalization_mapping: MEAN_STD for images, state and action
-    cfg = ACTConfig(input_features=inputs, output_features=outputs, device='cpu',
-                    pretrained_backbone_weights=None, **rest)
     torch.manual_seed(seed)
-    policy = ACTPolicy(cfg)
+    if smolvla:  # the VLM's config and tokenizer from a local folder, its weights random
+        from lerobot.policies.smolvla.configuration_smolvla import SmolVLAConfig
+        from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy
+
+        cfg = SmolVLAConfig(input_features=inputs, output_features=outputs, device='cpu',
+                            load_vlm_weights=False, **rest)
+        policy = SmolVLAPolicy(cfg)
+    else:  # ACT's default normalization_mapping: MEAN_STD for images, state and action
+        cfg = ACTConfig(input_features=inputs, output_features=outputs, device='cpu',
+                        pretrained_backbone_weights=None, **rest)
+        policy = ACTPolicy(cfg)
     dataset_stats = None
     if stats:
         with np.load(stats) as f:  # keys 'observation.state/mean', ...
@@ -94,30 +104,45 @@ class Loaded:
     """One checkpoint loaded as a user would: the policy and both processor pipelines."""
 
     def __init__(self):
-        self.policy = self.pre = self.post = self.first = None
+        self.policy = self.pre = self.post = self.first = self.noise = None
 
     def load(self, path):
-        """Load path with ACTPolicy.from_pretrained and the processor factory."""
-        self.policy = ACTPolicy.from_pretrained(path)
+        """Load path with its policy class's from_pretrained and the processor factory."""
+        with open(f'{path}/config.json') as f:
+            kind = json.load(f)['type']
+        policy_class = ACTPolicy
+        if kind == 'smolvla':
+            from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy as policy_class
+        self.policy = policy_class.from_pretrained(path)
         self.policy.eval()
         self.pre, self.post = make_pre_post_processors(
             self.policy.config, pretrained_path=path,
             preprocessor_overrides={'device_processor': {'device': 'cpu'}})
         return {'parameters': sum(p.numel() for p in self.policy.parameters())}
 
+    def _noise(self):
+        return {} if self.noise is None else {'noise': self.noise}
+
     def chunk(self, observation):
         """Preprocessor -> predict_action_chunk -> postprocessor: [1, chunk_size, action_dim]."""
         with torch.inference_mode():
-            return self.post(self.policy.predict_action_chunk(self.pre(observation)))
+            return self.post(self.policy.predict_action_chunk(self.pre(dict(observation)),
+                                                              **self._noise()))
 
     def select(self, observation):
         """One select_action step through both pipelines: [1, action_dim]."""
         with torch.inference_mode():
-            return self.post(self.policy.select_action(self.pre(observation)))
+            return self.post(self.policy.select_action(self.pre(dict(observation)),
+                                                       **self._noise()))
 
-    def run(self, obs, out, steps):
+    def run(self, obs, out, steps, task=None, noise=None):
         """Write 'chunk' (observation 0) and 'actions' (select_action over 0..steps-1)."""
         observations = _observations(obs)
+        if task is not None:
+            observations = [{**o, 'task': task} for o in observations]
+        if noise is not None:
+            with np.load(noise) as f:
+                self.noise = torch.from_numpy(f['noise'])
         self.first = observations[0]
         chunk = self.chunk(self.first)
         self.policy.reset()
@@ -140,6 +165,7 @@ def main():
     ops = {
         'threads': lambda n: {'threads': torch.set_num_threads(n) or torch.get_num_threads()},
         'build': build,
+        'build_smolvla': lambda **kw: build(**kw, smolvla=True),
         'load': loaded.load,
         'run': loaded.run,
         'time': loaded.time,

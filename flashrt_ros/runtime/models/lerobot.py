@@ -65,6 +65,10 @@ _IGNORED_FIELDS = (frozenset(_BASE_FIELDS) - {'n_obs_steps', 'input_features', '
 _PRE_STEPS = ('rename_observations_processor', 'to_batch_processor', 'device_processor',
               'normalizer_processor')
 _POST_STEPS = ('unnormalizer_processor', 'device_processor')
+# SmolVLA's preprocessor adds the newline and tokenizer steps (they do not touch the stats).
+SMOLVLA_PRE_STEPS = ('rename_observations_processor', 'to_batch_processor',
+                     'smolvla_new_line_processor', 'tokenizer_processor', 'device_processor',
+                     'normalizer_processor')
 
 
 @dataclass(frozen=True)
@@ -297,16 +301,17 @@ class NormalizerStats:
     source: str = ''  # the safetensors file the stats came from
 
 
-def read_normalizers(path: str | Path, config: ACTConfig
+def read_normalizers(path: str | Path, config: ACTConfig, *,
+                     pre_steps: tuple[str, ...] = _PRE_STEPS, family: str = 'ACT'
                      ) -> tuple[NormalizerStats | None, NormalizerStats | None, str]:
     """(input normalizer, output unnormalizer, a sentence on what was found) of a folder."""
     folder = Path(path)
     found = []
     steps = []
     for file, allowed, wanted, features in (
-            (PREPROCESSOR_FILE, _PRE_STEPS, 'normalizer_processor', config.input_features),
+            (PREPROCESSOR_FILE, pre_steps, 'normalizer_processor', config.input_features),
             (POSTPROCESSOR_FILE, _POST_STEPS, 'unnormalizer_processor', config.output_features)):
-        step = _pipeline_step(folder / file, allowed, wanted)
+        step = _pipeline_step(folder / file, allowed, wanted, family)
         if step is not None:
             step = _load_step(folder, file, step, config)
             modes = [f'{k} {step.norm_map.get(f.kind, "IDENTITY").lower()}'
@@ -320,7 +325,8 @@ def read_normalizers(path: str | Path, config: ACTConfig
     return steps[0], steps[1], 'from ' + '; '.join(found)
 
 
-def _pipeline_step(file: Path, allowed: tuple[str, ...], wanted: str) -> dict | None:
+def _pipeline_step(file: Path, allowed: tuple[str, ...], wanted: str,
+                   family: str = 'ACT') -> dict | None:
     """Return the `wanted` step entry of a pipeline json (None: no file or no stats)."""
     if not file.is_file():
         return None
@@ -333,8 +339,8 @@ def _pipeline_step(file: Path, allowed: tuple[str, ...], wanted: str) -> dict | 
     for index, step in enumerate(steps):
         name = step.get('registry_name') if isinstance(step, dict) else None
         if name not in allowed:
-            raise ConfigError(f'{file}: step {index} ({name or step!r}) is not supported; an '
-                              f'ACT pipeline has the steps {list(allowed)}')
+            raise ConfigError(f'{file}: step {index} ({name or step!r}) is not supported; '
+                              f'{family} pipelines have the steps {list(allowed)}')
         if name == 'rename_observations_processor' and step.get('config', {}).get('rename_map'):
             raise ConfigError(f'{file}: step {index} field "rename_map" must be empty (give '
                               'the observation under the names the policy was trained with)')

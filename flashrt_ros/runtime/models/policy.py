@@ -17,7 +17,9 @@ Loading (`model` of the RuntimeConfig):
   * `builtin:act-arm` - a seeded ACT written once in LeRobot's format to the cache folder
     (models/builtin.LEROBOT_BUILTINS) and loaded from there like any LeRobot checkpoint;
   * a LeRobot checkpoint folder (`config.json` with its `type`, `model.safetensors`, the
-    normalizer files; models/lerobot.py, models/act.py);
+    normalizer files; models/lerobot.py): ACT (models/act.py) or SmolVLA (models/smolvla.py,
+    its VLM's config and tokenizer from a local folder: the checkpoint's `vlm_model_name`
+    if that is a folder, else $FLASHRT_VLM_PATH);
   * a directory holding `policy.json` (or `policy.yaml`) and `model.safetensors`:
 
         {"obs_dim": 4, "action_dim": 2, "horizon": 8,
@@ -437,8 +439,16 @@ def load_lerobot(path: str, device: torch.device, dtype: torch.dtype, max_steps:
                  model_id: str = '') -> ModulePolicyAdapter:
     """Load a LeRobot checkpoint folder (config.json, model.safetensors, normalizer files)."""
     from .act import load_act
+    from .lerobot import read_config
+    from .smolvla import load_smolvla
 
-    module, fields = load_act(Path(path).expanduser(), device, dtype)
+    folder = Path(path).expanduser()
+    kind = read_config(folder).get('type')
+    loaders = {'act': load_act, 'smolvla': load_smolvla}
+    if kind not in loaders:
+        raise ConfigError(f'{str(folder)!r} is a LeRobot {kind!r} policy; the policies served '
+                          f'are {", ".join(loaders)}')
+    module, fields = loaders[kind](folder, device, dtype)
     spec = PolicySpec(fields['obs_dim'], fields['action_dim'], fields['horizon'],
                       images=tuple((k, tuple(v)) for k, v in fields['images']),
                       replan=fields['replan'], note=fields['normalization'])
