@@ -13,7 +13,7 @@ HEIGHT, WIDTH = 48, 64  # the tiny SmolVLA's camera
 
 @pytest.fixture(scope='module')
 def vla(tmp_path_factory, capsule_dir):
-    """A node serving a tiny SmolVLA; its instruction published before the node starts."""
+    """Start a node serving a tiny SmolVLA; its instruction is published before it starts."""
     workdir = tmp_path_factory.mktemp('vla_node')
     vlm = save_tiny_vlm(workdir / 'vlm')
     folder = save_smolvla_checkpoint(workdir / 'smolvla', vlm_folder=vlm, seed=5)
