@@ -29,7 +29,8 @@ import threading
 import time
 
 from flashrt_ros.action import Generate, ImportCapsule
-from flashrt_ros.msg import ActionChunk, AudioChunk, CapsuleEvent, Interrupt, TokenChunk
+from flashrt_ros.msg import ActionChunk, AudioChunk, CapsuleEvent, EndOfUtterance, Interrupt
+from flashrt_ros.msg import TokenChunk
 from flashrt_ros.qos import AUDIO_QOS, COMMAND_QOS, INTERRUPT_QOS  # noqa: F401 (re-exported)
 from flashrt_ros.qos import FEEDBACK_QOS, IMAGE_QOS, INSTRUCTION_QOS, STREAM_QOS
 from flashrt_ros.spin import spin_until_shutdown
@@ -476,8 +477,13 @@ class FlashRTClient:
         """Return the client node's clock now, as a builtin_interfaces/Time (for stamps)."""
         return self.node.get_clock().now().to_msg()
 
-    def publish_audio(self, samples, sample_rate=24000, first_sample=-1):
-        """Publish mono samples (int16 or float32 values) as one AudioChunk on ~/audio."""
+    def publish_audio(self, samples, sample_rate=24000, first_sample=-1, stamp=None):
+        """
+        Publish mono samples (int16 or float32 values) as one AudioChunk on ~/audio.
+
+        stamp: when its first sample was captured (builtin_interfaces/Time; default now): the
+        transcript chunks it completes are stamped from it.
+        """
         msg = AudioChunk(sample_rate=int(sample_rate), channels=1,
                          first_sample=int(first_sample))
         if str(getattr(samples, 'dtype', '')) == 'int16':
@@ -486,7 +492,7 @@ class FlashRTClient:
         else:
             msg.sample_format = AudioChunk.FORMAT_FLOAT32
             msg.float32_samples = array.array('f', [float(v) for v in samples])
-        msg.header.stamp = self.node.get_clock().now().to_msg()
+        msg.header.stamp = self.now() if stamp is None else stamp
         self._audio_pub.publish(msg)
 
     def flush(self):
@@ -497,6 +503,11 @@ class FlashRTClient:
         """Call callback(TokenChunk) for every ~/transcript chunk of a speech node."""
         return self.node.create_subscription(TokenChunk, f'{self.base}/transcript', callback,
                                              STREAM_QOS)
+
+    def subscribe_end_of_utterance(self, callback):
+        """Call callback(EndOfUtterance) when a speech node hears the speaker stop."""
+        return self.node.create_subscription(EndOfUtterance, f'{self.base}/end_of_utterance',
+                                             callback, STREAM_QOS)
 
     def subscribe_actions(self, callback):
         """Call callback(ActionChunk) for every message on ~/actions; return the subscription."""

@@ -3,7 +3,10 @@ The `make demo-speech` session: barge-in as a capsule operation, over ROS 2.
 
 Starts the flashrt node in speech mode (builtin:tiny-stt: a Kyutai STT decoder over a Mimi
 encoder, 24 kHz, 80 ms frames) and streams synthesized audio (gliding tones with a noise
-floor, numpy) to ~/audio at real time in 40 ms chunks. Then: snapshot at the start of the
+floor, numpy) to ~/audio at real time in 40 ms chunks, prints the transcript's words with
+their audio times and waits for the end of the utterance (~/end_of_utterance) over a pause
+(random weights write text over silence, so the built-in says so instead). Then: snapshot
+at the start of the
 robot's reply, stream its echo, roll the echo frames back (~/interrupt ROLLBACK); snapshot
 when the robot pauses for a sound, stream the noise, recover from the false barge-in
 (~/interrupt RESTORE), compared with re-encoding the audio history; flush the last words
@@ -38,7 +41,9 @@ class Stream:
         self.sent = 0  # the next chunk's first_sample
         self.done_at = {}  # frame index -> when the chunk completing it went out
         self.chunks = []  # (arrival time, TokenChunk)
+        self.ends = []  # EndOfUtterance messages
         client.subscribe_transcript(lambda c: self.chunks.append((time.perf_counter(), c)))
+        client.subscribe_end_of_utterance(self.ends.append)
         self.frames = 0  # frames of the utterance completed by what was sent
         self.base = 0  # frames of the utterance when the numbering last started
         time.sleep(0.3)
@@ -84,7 +89,36 @@ def _interrupt(client, events, **kwargs):
     return _wait_event(events, start, 'interrupt')
 
 
-def _run_session(client, report, events):
+def _words(stream, report, most=8):
+    """Print the committed words of the transcript so far with their audio times."""
+    words = [w for _, c in stream.chunks for w in c.words if not w.partial]
+    shown = ' '.join(f'{w.text[:20]!r} {w.start:.2f}-{w.end:.2f}s' for w in words[:most])
+    report.line(f'{len(words)} committed words: {shown or "none yet"}')
+    last = stream.chunks[-1][1].words if stream.chunks else []
+    if last and last[-1].partial:
+        report.line(f'still partial: {last[-1].text[:40]!r} from {last[-1].start:.2f} s')
+
+
+def _pause(stream, report, real_model):
+    """Stream 1.2 s of silence; report the end-of-utterance event (a real model's check)."""
+    before = len(stream.ends)
+    stream.send(np.zeros(15 * FRAME, dtype=np.float32))
+    stream.wait_position(stream.frames + 1)
+    deadline = time.monotonic() + 3.0
+    while len(stream.ends) == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if len(stream.ends) > before:
+        end = stream.ends[-1]
+        report.line(f'~/end_of_utterance after {end.quiet_seconds:.2f} s quiet: '
+                    f'{end.text[:60]!r} ({end.start:.2f}-{end.end:.2f} s of audio)')
+    elif real_model:
+        report.check(False, 'an end of utterance after 1.2 s of silence')
+    else:
+        report.line('no ~/end_of_utterance: the random-weight model writes text over '
+                    'silence, so the padding rule never holds (a Kyutai checkpoint pads)')
+
+
+def _run_session(client, report, events, real_model=False):
     stream = Stream(client)
     home_digest = client.state_digest()
 
@@ -97,6 +131,11 @@ def _run_session(client, report, events):
     report.line(f'{stream.frames} frames; transcript chunk after its frame completed: '
                 f'{_ms(latencies)}; the node was {lag * 1e3:.1f} ms behind the last chunk')
     report.check(lag < 1.0, 'the node keeps up with real time')
+
+    report.section('Words with their audio times; a pause ends the utterance')
+    _words(stream, report)
+    _pause(stream, report, real_model)
+    pause = np.zeros(15 * FRAME, dtype=np.float32)
 
     report.section('The robot answers: snapshot, then its echo comes back for 0.96 s')
     snap = client.snapshot('user_turn')
@@ -130,7 +169,7 @@ def _run_session(client, report, events):
                  'receipt; transcription resumes where it paused')
 
     report.section('The cold alternative: re-encode the audio history from the utterance start')
-    history = np.concatenate([user, said])
+    history = np.concatenate([user, pause, said])
     assert _interrupt(client, events, mode='RESTORE', capsule='home', reason='cold').success
     stream.restart(0)
     t0 = time.perf_counter()
@@ -163,7 +202,8 @@ def _run_session(client, report, events):
 
 
 def _speech_session(node, client, workdir, params, report, events):
-    _run_session(client, report, events)
+    _run_session(client, report, events,
+                 real_model=not str(params.get('model', 'builtin:')).startswith('builtin:'))
     return node, client
 
 

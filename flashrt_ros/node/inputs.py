@@ -150,7 +150,9 @@ class AudioInputs(ModeInputs):
         except ValueError as exc:
             mode.reject_audio(str(exc))
             return
-        mode.audio(samples, msg.sample_rate, msg.first_sample, received_time(msg_info))
+        stamp = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec
+        mode.audio(samples, msg.sample_rate, msg.first_sample, received_time(msg_info),
+                   stamp or None)  # an unstamped chunk: the transcript is stamped when sent
 
     def _raw(self, dtype, msg, msg_info):
         """Feed mono samples at the model's rate (not numbered: no gap check)."""
@@ -197,7 +199,9 @@ class AudioInputs(ModeInputs):
         except ValueError as exc:
             mode.reject_audio(str(exc))
             return
-        mode.audio(samples, rate, -1, received_time(msg_info))
+        header = getattr(msg, 'header', None)  # AudioStamped has one, AudioData none
+        stamp = header.stamp.sec * 1_000_000_000 + header.stamp.nanosec if header else 0
+        mode.audio(samples, rate, -1, received_time(msg_info), stamp or None)
 
 
 def mode_inputs(node, mode, group):

@@ -3,7 +3,8 @@
 from builtin_interfaces.msg import Duration, Time
 from diagnostic_msgs.msg import DiagnosticStatus, KeyValue
 from flashrt_ros.action import Generate
-from flashrt_ros.msg import ActionChunk, CapsuleInfo, TokenChunk
+from flashrt_ros.msg import ActionChunk, CapsuleInfo, EndOfUtterance, TokenChunk
+from flashrt_ros.msg import TranscriptWord
 from flashrt_ros.runtime.modes.lm.chat import turn_count
 from flashrt_ros.session import TurnRequest
 import numpy as np
@@ -66,12 +67,24 @@ def token_chunk(turn, index, ids, text, stop_reason, final, now):
     return chunk
 
 
-def transcript_chunk(utterance, index, ids, text, final, now):
-    """Build the TokenChunk of a speech stream's tokens (turn_id: the utterance)."""
+def transcript_chunk(utterance, index, ids, text, final, words, stamp):
+    """Build the TokenChunk of a speech stream's tokens and words (turn_id: the utterance)."""
     chunk = TokenChunk(turn_id=int(utterance), index=int(index), token_ids=list(ids),
-                       text=text, final=final, stop_reason='flush' if final else '')
-    chunk.header.stamp = now
+                       text=text, final=final, stop_reason='flush' if final else '',
+                       words=[TranscriptWord(text=w.text, start=float(w.start), end=float(w.end),
+                                             partial=bool(w.partial)) for w in words])
+    chunk.header.stamp = stamp
     return chunk
+
+
+def end_of_utterance(utterance, index, end, stamp):
+    """Build the EndOfUtterance of a runtime EndOfUtterance record."""
+    msg = EndOfUtterance(turn_id=int(utterance), index=int(index), text=end.text,
+                         start=float(end.start), end=float(end.end),
+                         quiet_seconds=float(end.quiet_s),
+                         pause_probability=float(end.pause_probability))
+    msg.header.stamp = stamp
+    return msg
 
 
 def audio_samples(msg):

@@ -1,15 +1,15 @@
 """
 The session's outputs on ROS, whose publishers RosOutputs owns.
 
-~/tokens and goal feedback, ~/events, ~/actions (and ~/joint_trajectory), ~/transcript, and
-the log.
+~/tokens and goal feedback, ~/events, ~/actions (and ~/joint_trajectory), ~/transcript,
+~/end_of_utterance, and the log.
 """
 
 import sys
 import time
 
 from flashrt_ros.action import Generate
-from flashrt_ros.msg import ActionChunk, CapsuleEvent, TokenChunk
+from flashrt_ros.msg import ActionChunk, CapsuleEvent, EndOfUtterance, TokenChunk
 from flashrt_ros.qos import ACTIONS_QOS, STREAM_QOS
 from flashrt_ros.session import Outputs
 from trajectory_msgs.msg import JointTrajectory
@@ -30,6 +30,7 @@ class RosOutputs(Outputs):
                                       node.get_logger())
         self._actions = lifecycle(ActionChunk, '~/actions', ACTIONS_QOS)
         self._transcript = lifecycle(TokenChunk, '~/transcript', STREAM_QOS)
+        self._end_of_utterance = lifecycle(EndOfUtterance, '~/end_of_utterance', STREAM_QOS)
         self._trajectory = (lifecycle(JointTrajectory, '~/joint_trajectory', ACTIONS_QOS)
                             if joint_trajectory else None)
         self.interrupt_stages = StageStats()  # for /diagnostics
@@ -94,12 +95,20 @@ class RosOutputs(Outputs):
             self._trajectory.publish(messages.joint_trajectory(
                 rows, names, dt, param('trajectory_field').value, when))
 
-    def transcript(self, utterance, index, ids, text, final):
+    def transcript(self, utterance, index, ids, text, final, words=(), stamp=None):
+        when = self._stamp() if stamp is None else messages.time_of(stamp)
         try:
             self._transcript.publish(messages.transcript_chunk(
-                utterance, index, ids, text, final, self._stamp()))
+                utterance, index, ids, text, final, words, when))
         except Exception as exc:  # e.g. the node is being destroyed
             self.log('warning', f'could not publish a transcript chunk: {exc!r}')
+
+    def end_of_utterance(self, utterance, index, end, stamp=None):
+        when = self._stamp() if stamp is None else messages.time_of(stamp)
+        try:
+            self._end_of_utterance.publish(messages.end_of_utterance(utterance, index, end, when))
+        except Exception as exc:  # e.g. the node is being destroyed
+            self.log('warning', f'could not publish an end of utterance: {exc!r}')
 
     def start_goal(self, turn):
         """Mark the goal executing and schedule the execute callback, which reports it."""

@@ -5,6 +5,7 @@ import dataclasses
 from flashrt_ros.runtime import RuntimeConfig
 from flashrt_ros.runtime.config import DTYPES, EVICTION_POLICIES, MAX_DRAFT_TOKENS
 from flashrt_ros.runtime.config import PROMPT_FORMATS, VERIFY_STRATEGIES
+from flashrt_ros.runtime.modes.speech import QUIET_DB, QUIET_S
 from flashrt_ros.runtime.state.transfer import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
 from flashrt_ros.session import MODES, POLICY_MODES
 from flashrt_ros.session.policy import STEPPINGS
@@ -75,7 +76,7 @@ def _runtime(name, description, **constraints):
 
 # Read at configure too, though not part of RuntimeConfig.
 _AT_CONFIGURE = ('mode', 'stepping', 'control_rate', 'image_topics', 'sync_slop',
-                 'joint_names')
+                 'joint_names', 'end_of_utterance_s', 'end_of_utterance_db')
 
 PARAMETERS = (
     Param('autostart', True,
@@ -209,6 +210,13 @@ PARAMETERS = (
           'Policy mode: an input stamped longer ago than this (seconds, node clock) is '
           'refused, and so is an observation whose camera sent nothing for this long; 0 '
           'turns both checks off.', floating=(0.0, 3600.0)),
+    Param('end_of_utterance_s', QUIET_S,
+          'Speech mode: an end-of-utterance event goes out on ~/end_of_utterance once the '
+          'transcript has been quiet this long after words: frames of padding tokens over '
+          'audio below end_of_utterance_db; 0 turns the events off.', floating=(0.0, 60.0)),
+    Param('end_of_utterance_db', QUIET_DB,
+          'Speech mode: audio energy (RMS, dB full scale) below which a padded frame counts '
+          'as quiet for end_of_utterance_s.', floating=(-120.0, 0.0)),
     Param('publish_joint_trajectory', False,
           'Policy mode: also publish actions as trajectory_msgs/JointTrajectory on '
           '~/joint_trajectory (read at startup).'),

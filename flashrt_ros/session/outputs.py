@@ -27,8 +27,15 @@ class Outputs:
         clock; None: now).
         """
 
-    def transcript(self, utterance, index, ids, text, final):
-        """Publish text tokens of a speech stream (index: frame of the first one)."""
+    def transcript(self, utterance, index, ids, text, final, words=(), stamp=None):
+        """
+        Publish text tokens of a speech stream (index: frame of the first one).
+
+        words: runtime Word records; stamp: the audio's time (integer ns; None: now).
+        """
+
+    def end_of_utterance(self, utterance, index, end, stamp=None):
+        """Publish that the speaker stopped (end: a runtime EndOfUtterance; stamp as above)."""
 
     def start_goal(self, turn):
         """Tell a turn's caller it starts, or ended unstarted, so that it may report it."""

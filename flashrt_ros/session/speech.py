@@ -2,7 +2,11 @@
 Speech mode: audio chunks in, transcript token chunks out.
 
 Each audio chunk is fed to the runtime (every completed 80 ms frame a committed boundary)
-and the text tokens its frames produced go out as one transcript chunk. A chunk carries
+and the text tokens its frames produced go out as one transcript chunk: its text decoded
+incrementally, its words with audio times (committed, then the one still partial), stamped
+with the audio that completed its last frame (the chunk's stamp plus that sample's offset).
+When the transcript has been quiet for end_of_utterance_s after words, an end-of-utterance
+event goes out (runtime/modes/speech.py's Transcriber has the rules). A chunk carries
 the index of its first sample in the stream, so a lost chunk is detected: the chunk after
 a gap is refused (the state stays where it was; resend from the expected sample, or reset)
 rather than transcribing audio with a hole in it. After an interrupt, reset, restore or
@@ -16,10 +20,12 @@ on ~/events), so it waits at most one frame. docs/semantics.md has the barge-in 
 """
 
 import contextlib
+import dataclasses
 import threading
 import time
 
 from flashrt_ros.runtime import FlashRTError
+from flashrt_ros.runtime.modes.speech import QUIET_DB, QUIET_S, Transcriber
 
 from .modes import Mode
 
@@ -38,6 +44,11 @@ class SpeechMode(Mode):
         self._next_sample = None        # expected first_sample of the next chunk (None: any)
         self._interrupted_at = 0.0      # wall time before which audio is stale
         self.utterance = 0              # counts episodes (the chunks' turn_id)
+        quiet_s, quiet_db = param('end_of_utterance_s'), param('end_of_utterance_db')
+        self.transcriber = Transcriber(
+            runtime.tokenizer, runtime.speech_spec, QUIET_S if quiet_s is None else quiet_s,
+            QUIET_DB if quiet_db is None else quiet_db)
+        self._ends = 0                  # end-of-utterance events of this episode
 
     @staticmethod
     def serves(runtime):
@@ -47,12 +58,14 @@ class SpeechMode(Mode):
         return (f'{source} rejected: the node runs a speech model (mode speech); publish '
                 'audio on ~/audio instead')
 
-    def audio(self, samples, sample_rate=None, first_sample=-1, received=None):
+    def audio(self, samples, sample_rate=None, first_sample=-1, received=None, stamp=None):
         """
         Feed one chunk of mono samples (int16 or float32) received at wall time `received`.
 
         first_sample < 0 means the sender does not number its samples (no gap check).
-        Returns the transcript events of the frames it completed ([] if refused).
+        stamp: the chunk's first sample's time (integer ns, node clock; None: unknown, the
+        transcript is stamped when published). Returns the transcript events of the frames
+        it completed ([] if refused).
         """
         with self._gate:
             if received is not None and received <= self._interrupted_at:
@@ -77,7 +90,10 @@ class SpeechMode(Mode):
                 return []
             if first_sample >= 0:
                 self._next_sample = first_sample + len(samples)
-            self._publish(events, final=False)
+            if stamp is not None:
+                rate = sample_rate or self.runtime.speech_spec.sample_rate
+                stamp += round(events.last_sample * 1e9 / rate)
+            self._publish(events, final=False, stamp=stamp)
             if events.cut:
                 self._out.event('audio', '', '', 0, 0.0, False,
                                 f'audio chunk cut by an interrupt at frame boundary '
@@ -96,12 +112,19 @@ class SpeechMode(Mode):
             self._publish(events, final=True)
             return events
 
-    def _publish(self, events, final):
-        words = [e for e in events if not e.is_pad]
-        if words or final:
-            index = words[0].frame if words else 0
-            self._out.transcript(self.utterance, index, [e.token_id for e in words],
-                                 ''.join(e.text for e in words), final)
+    def _publish(self, events, final, stamp=None):
+        # A flush reads a copy of the state: its words go out, the live transcript stays.
+        transcriber = self.transcriber.fork() if final else self.transcriber
+        update = transcriber.update(events)
+        if final:  # nothing follows the flushed words: the open one is complete
+            update.words = [dataclasses.replace(w, partial=False) for w in update.words]
+        if update.ids or update.words or final:
+            self._out.transcript(self.utterance, update.first_frame, update.ids, update.text,
+                                 final, update.words, stamp)
+        end = update.end_of_utterance
+        if end is not None and not final and self.transcriber.quiet_s > 0:
+            self._out.end_of_utterance(self.utterance, self._ends, end, stamp)
+            self._ends += 1
 
     def reject_audio(self, reason):
         message = (f'audio rejected: {reason}; state unchanged at frame boundary '
@@ -114,6 +137,8 @@ class SpeechMode(Mode):
             self._interrupted_at = max(self._interrupted_at, before or time.time())
             self._next_sample = None
             self.utterance += 1
+            self.transcriber.reset()
+            self._ends = 0
 
     @contextlib.contextmanager
     def quiet(self):
@@ -123,4 +148,13 @@ class SpeechMode(Mode):
             yield
 
     def diagnostics(self, stats):
-        return {'frame_step_ms': f'{(stats.control_step_s or 0.0) * 1e3:.3f}'}
+        spec, quiet = self.runtime.speech_spec, self.transcriber
+        return {'frame_step_ms': f'{(stats.control_step_s or 0.0) * 1e3:.3f}',
+                'speech_settings': spec.settings,
+                'text_delay_s': f'{spec.text_delay_s:g}',
+                'silence_prefix_s': f'{spec.silence_prefix_s:g}',
+                'sample_rate': str(spec.sample_rate),
+                'end_of_utterance': (
+                    'off' if quiet.quiet_s <= 0 else
+                    f'energy/padding rule: {quiet.quiet_s:g} s of padding tokens below '
+                    f'{quiet.quiet_db:g} dBFS (the model has no pause heads)')}

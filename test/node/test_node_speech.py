@@ -1,11 +1,17 @@
 """Speech mode over real DDS: ~/audio in, ~/transcript out, gap checks, interrupt, reset."""
 
+import math
+import time
+
 from flashrt_ros.msg import Interrupt
 from flashrt_ros.node_process import NodeProcess
 from flashrt_ros.runtime import Runtime
-from node_harness import EventLog, HOME, start_client, wait_active, wait_until
+from flashrt_ros.runtime.modes.speech import Transcriber
+from node_harness import diagnostics, EventLog, HOME, node_in_process, start_client
+from node_harness import wait_active, wait_until
 import numpy as np
 import pytest
+from speech_script import script_tokens
 
 FRAME = 1920
 SPEECH_PARAMS = {'mode': 'speech', 'model': 'builtin:tiny-stt', 'max_seq_len': 512,
@@ -60,6 +66,12 @@ def reference():
     rt.close()
 
 
+def _text(rt, events):
+    """Return the text tokens of runtime events (what ~/transcript carries)."""
+    transcriber = Transcriber(rt.tokenizer, rt.speech_spec)
+    return [e.token_id for e in events if transcriber.is_text(e.token_id)]
+
+
 def _reset(s):
     start = len(s.events.events)
     s.client.reset()
@@ -78,7 +90,7 @@ def test_audio_in_transcript_out(speech, reference):
     _reset(s)
     audio = _audio(12, seed=0)
     reference.reset()
-    expected = [e.token_id for e in reference.feed_audio(audio) if not e.is_pad]
+    expected = _text(reference, reference.feed_audio(audio))
     assert expected
     s.send(audio)
     assert wait_until(lambda: s.words() == expected, 60.0), (s.words(), expected)
@@ -115,7 +127,7 @@ def test_audio_at_16_khz_is_resampled_like_the_runtime_does(speech, reference):
     noise = 0.05 * np.random.default_rng(5).standard_normal(t.size)
     audio = (0.3 * np.sin(2 * np.pi * 300 * t * (1 + t)) + noise).astype(np.float32)
     reference.reset()
-    expected = [e.token_id for e in reference.feed_audio(audio, 16000) if not e.is_pad]
+    expected = _text(reference, reference.feed_audio(audio, 16000))
     digest = reference.state_digest()
     for i in range(0, len(audio), 640):
         s.client.publish_audio(audio[i:i + 640], 16000, i)
@@ -143,3 +155,38 @@ def test_interrupt_rolls_back_frames_and_reset_goes_home(speech):
     _reset(s)
     assert s.client.state_digest() == home
     assert [c.name for c in s.client.list_capsules().capsules if c.pinned] == [HOME]
+
+
+def test_words_stamps_and_the_end_of_utterance_over_dds():
+    params = dict(SPEECH_PARAMS, end_of_utterance_s=0.4, diagnostics_period=0.5)
+    with node_in_process('flashrt_speech_eou', params) as (client, node):
+        script_tokens(node.session.runtime)
+        chunks, ends = [], []
+        client.subscribe_transcript(chunks.append)
+        client.subscribe_end_of_utterance(ends.append)
+        time.sleep(0.5)  # the subscriptions matched
+        stamp = client.now()
+        client.publish_audio(_audio(8, seed=6), 24000, 0, stamp)  # one chunk, 8 frames
+        assert wait_until(lambda: chunks, 30.0)
+        first = chunks[0]
+        sent_ns = stamp.sec * 10 ** 9 + stamp.nanosec
+        got_ns = first.header.stamp.sec * 10 ** 9 + first.header.stamp.nanosec
+        assert got_ns - sent_ns == round(8 * FRAME * 1e9 / 24000)  # its last frame's sample
+        assert first.text == 'hi there' and first.index == 0
+        assert [(w.text, w.partial) for w in first.words] == [('hi', False), ('there', True)]
+        assert first.words[1].start == pytest.approx(4 * 0.08 - 0.24)
+        silence = np.zeros(FRAME, dtype=np.float32)
+        for i in range(8):  # 0.64 s of silence after the words, frame by frame
+            client.publish_audio(silence, 24000, (8 + i) * FRAME)
+        assert wait_until(lambda: ends, 30.0)
+        end = ends[0]
+        assert end.text == 'hi there' and end.index == 0 and end.turn_id == first.turn_id
+        assert end.quiet_seconds == pytest.approx(0.4) and math.isnan(end.pause_probability)
+        assert end.start == 0.0 and end.end == pytest.approx(first.words[1].end + 0.08)
+        committed = [w for c in chunks for w in c.words if not w.partial]
+        assert [w.text for w in committed] == ['hi', 'there']
+        time.sleep(0.5)
+        assert len(ends) == 1  # the silence went on: one event
+        values = diagnostics(client)
+        assert values['speech_settings'] == 'built-in' and values['text_delay_s'] == '0.24'
+        assert 'energy/padding rule: 0.4 s' in values['end_of_utterance']

@@ -18,6 +18,7 @@ SETTINGS = {
     'interrupt_timeout': 5.0, 'max_new_tokens': 16, 'token_chunk': 1, 'stop_strings': [],
     'stepping': 'observation', 'control_rate': 50.0, 'protect_home': True,
     'sync_slop': 0.05, 'max_observation_age': 1.0, 'joint_names': [],
+    'end_of_utterance_s': 0.8, 'end_of_utterance_db': -45.0,
 }
 
 
@@ -39,7 +40,7 @@ class Recorder(Outputs):
     def __init__(self):
         self.events, self.chunks, self.actions_out, self.logs = [], [], [], []
         self.action_stamps = []
-        self.transcripts = []
+        self.transcripts, self.ends = [], []
         self.started = []
         self.gates = {}  # 'chunk:<index>', 'final', 'start', 'event:<operation>' -> Gate
 
@@ -69,9 +70,13 @@ class Recorder(Outputs):
         self.actions_out.append((step, rows, list(names)))
         self.action_stamps.append(stamp)
 
-    def transcript(self, utterance, index, ids, text, final):
+    def transcript(self, utterance, index, ids, text, final, words=(), stamp=None):
         self.transcripts.append({'utterance': utterance, 'index': index, 'ids': list(ids),
-                                 'text': text, 'final': final})
+                                 'text': text, 'final': final, 'words': list(words),
+                                 'stamp': stamp})
+
+    def end_of_utterance(self, utterance, index, end, stamp=None):
+        self.ends.append({'utterance': utterance, 'index': index, 'end': end, 'stamp': stamp})
 
     def start_goal(self, turn):
         self.started.append(turn)

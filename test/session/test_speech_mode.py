@@ -6,6 +6,7 @@ import time
 from flashrt_ros.session import InterruptMode
 import numpy as np
 import pytest
+from speech_script import script_tokens
 
 STT = 'builtin:tiny-stt'
 FRAME = 1920
@@ -37,8 +38,9 @@ def test_audio_in_transcript_out(speech):
     session, out = speech
     tokens = _stream(session, _audio(10, seed=0))
     assert session.runtime.position == 11 and len(tokens) == 11
-    words = [t for t in tokens if t != session.runtime.speech_spec.pad_token_id]
+    words = [t for t in tokens if session.mode.transcriber.is_text(t)]  # no pad, no specials
     assert [i for c in out.transcripts for i in c['ids']] == words and words
+    assert ''.join(c['text'] for c in out.transcripts) == session.runtime.tokenizer.decode(words)
     digest = session.runtime.state_digest()
     session.mode.flush()
     assert out.transcripts[-1]['final'] and session.runtime.state_digest() == digest
@@ -123,3 +125,52 @@ def test_an_interrupt_cuts_a_long_chunk_at_the_next_frame(speech):
     cut = [e for e in out.events if e['operation'] == 'audio']
     assert len(cut) == 1 and not cut[0]['success'] and 'dropped' in cut[0]['message']
     assert out.events[-1]['operation'] == 'interrupt' and out.events[-1]['success']
+
+
+def test_chunks_carry_words_with_audio_times_and_the_audio_stamp(speech):
+    session, out = speech
+    script_tokens(session.runtime)
+    stamp = 5_000_000_000
+    events = session.mode.audio(_audio(9, seed=9)[:9 * FRAME - 100], 24000, 0, time.time(),
+                                stamp)
+    chunk = out.transcripts[-1]
+    # Stamped with the sample that completed its last frame: 8 frames (8 * 1920 samples).
+    assert len(events) == 9 and chunk['stamp'] == stamp + round(8 * FRAME * 1e9 / 24000)
+    assert chunk['text'] == 'hi there' and chunk['index'] == 0
+    words = chunk['words']
+    assert [(w.text, w.partial) for w in words] == [('hi', False), ('there', True)]
+    delay = session.runtime.speech_spec.text_delay_s  # 0.24 s: 3 frames
+    assert words[0].start == 0.0 and words[1].start == pytest.approx(4 * 0.08 - delay)
+    assert words[1].end == pytest.approx(8 * 0.08 - delay)
+    session.mode.audio(_audio(2, seed=9), 24000, 9 * FRAME - 100, time.time())
+    assert out.transcripts[-1]['words'][0].text == 'there'  # repeated, now committed
+    assert not out.transcripts[-1]['words'][0].partial
+
+
+def test_end_of_utterance_after_a_pause_once_and_again_after_new_words(speech):
+    session, out = speech
+    script_tokens(session.runtime)
+    silence = np.zeros(FRAME, dtype=np.float32)
+    _stream(session, _audio(8, seed=10))
+    _stream(session, np.tile(silence, 9), start=8 * FRAME)  # 0.72 s: not yet
+    assert out.ends == []
+    _stream(session, silence, start=17 * FRAME)  # 0.8 s of padded silence
+    end = out.ends[-1]
+    assert end['index'] == 0 and end['end'].text == 'hi there'
+    assert end['end'].quiet_s == pytest.approx(0.8)
+    _stream(session, np.tile(silence, 20), start=18 * FRAME)
+    assert len(out.ends) == 1  # silence goes on: no second event
+    _stream(session, _audio(3, seed=11), start=38 * FRAME)
+    _stream(session, np.tile(silence, 10), start=41 * FRAME)
+    assert [e['index'] for e in out.ends] == [0, 1] and out.ends[1]['end'].text == 'hi'
+    session.interrupts.apply('reset', InterruptMode.RESTORE, 1, '', 'reset', time.time())
+    _stream(session, np.tile(silence, 10))
+    assert len(out.ends) == 2  # a new episode starts with no words heard
+
+
+def test_diagnostics_say_the_speech_settings_and_the_end_of_utterance_rule(speech):
+    session, _ = speech
+    values = session.mode.diagnostics(session.runtime.stats())
+    assert values['speech_settings'] == 'built-in' and values['text_delay_s'] == '0.24'
+    assert values['silence_prefix_s'] == '0' and values['sample_rate'] == '24000'
+    assert 'energy/padding rule' in values['end_of_utterance']

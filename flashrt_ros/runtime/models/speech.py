@@ -22,12 +22,17 @@ counters.
 Loading: ``builtin:tiny-stt`` (seeded random weights; its codebooks are seeded by one
 calibration pass, since transformers initialises Mimi's codebooks to zero and a zero
 codebook gives one code for every frame) or a local checkpoint directory (config.json with
-model_type ``kyutai_speech_to_text``, safetensors, a tokenizer; preprocessor_config.json's
-``audio_delay_seconds`` is the text delay that flush() reads out).
+model_type ``kyutai_speech_to_text``, safetensors, a tokenizer). The processor's settings come
+from whichever file the checkpoint has: ``processor_config.json`` (its ``feature_extractor``,
+as transformers 5 saves it) or ``preprocessor_config.json``: ``audio_delay_seconds`` is the
+text delay that flush() reads out, ``audio_silence_prefix_seconds`` the silence fed before
+every utterance (``silence_left`` in the meta counts what is still to feed), and
+``sampling_rate`` must be the codec's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 import hashlib
 import json
@@ -48,6 +53,7 @@ from ..state.arena import StateSpec
 MODEL_TYPE = 'kyutai_speech_to_text'
 CALIBRATION_FRAMES = 64  # frames of seeded audio the built-in's codebooks are drawn from
 DEFAULT_DELAY_S = 0.5  # text delay of a checkpoint that does not state one
+PROCESSOR_FILES = ('processor_config.json', 'preprocessor_config.json')  # first found wins
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,9 @@ class SpeechSpec:
     frame_size: int  # samples per frame (the decoder's step)
     text_delay_s: float  # how far the text lags the audio (flush feeds this much silence)
     pad_token_id: int  # the text token of a frame with no new text
+    silence_prefix_s: float = 0.0  # silence fed before each utterance (the processor's)
+    # Where the delay, prefix and rate were read from (said in /diagnostics).
+    settings: str = dataclasses.field(default='built-in', compare=False)
 
 
 class ArenaPaddingCache:
@@ -90,7 +99,8 @@ class KyutaiSTTAdapter(StateAdapter):
 
     family = MODEL_TYPE
 
-    def __init__(self, model, tokenizer, max_seq_len: int, model_id: str, text_delay_s: float):
+    def __init__(self, model, tokenizer, max_seq_len: int, model_id: str, text_delay_s: float,
+                 silence_prefix_s: float = 0.0, settings: str = 'built-in'):
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -104,7 +114,11 @@ class KyutaiSTTAdapter(StateAdapter):
         self.num_codebooks = int(cfg.num_codebooks)
         codec_cfg = self.codec.config
         self.spec = SpeechSpec(int(codec_cfg.sampling_rate), int(cfg.frame_size),
-                               float(text_delay_s), int(cfg.pad_token_id))
+                               float(text_delay_s), int(cfg.pad_token_id),
+                               float(silence_prefix_s), settings)
+        # As transformers' feature extractor pads: int(seconds * rate) samples.
+        self.prefix_samples = int(self.spec.silence_prefix_s * self.spec.sample_rate)
+        self.silence_left = self.prefix_samples  # of the prefix, still to feed (meta)
         self._bos = torch.full((1, 1, self.num_codebooks + 1), int(cfg.audio_bos_token_id),
                                dtype=torch.long, device=self.device)
         self._bos[0, 0, 0] = int(cfg.bos_token_id)
@@ -157,7 +171,7 @@ class KyutaiSTTAdapter(StateAdapter):
         return {'layers': self.dec_binding.export_meta()['layers'],
                 'codec_layers': self.codec_binding.export_meta()['layers'],
                 'conv_started': list(self.padding.started), 'samples': self.samples,
-                'resample': self.resampler.export_meta()}
+                'resample': self.resampler.export_meta(), 'silence_left': self.silence_left}
 
     def check_meta(self, meta: dict[str, Any]) -> None:
         self.dec_binding.check_meta({'layers': meta['layers']})
@@ -170,6 +184,9 @@ class KyutaiSTTAdapter(StateAdapter):
         if type(samples) is not int or not 0 <= samples < self.spec.frame_size:
             raise ValueError(f'samples must be in [0, {self.spec.frame_size})')
         self.resampler.check_meta(meta['resample'])
+        left = meta.get('silence_left', 0)
+        if type(left) is not int or not 0 <= left <= self.prefix_samples:
+            raise ValueError(f'silence_left must be in [0, {self.prefix_samples}]')
 
     def import_meta(self, meta: dict[str, Any]) -> None:
         self.dec_binding.import_meta({'layers': meta['layers']})
@@ -177,6 +194,8 @@ class KyutaiSTTAdapter(StateAdapter):
         self.padding.started[:] = meta['conv_started']
         self.samples = meta['samples']
         self.resampler.import_meta(meta['resample'])
+        # A capsule from before the prefix existed: its stream is under way, nothing to feed.
+        self.silence_left = meta.get('silence_left', 0)
 
     def reset_meta(self) -> None:
         self.dec_binding.reset_meta()
@@ -184,6 +203,7 @@ class KyutaiSTTAdapter(StateAdapter):
         self.padding.started[:] = [False] * len(self.padding.started)
         self.samples = 0
         self.resampler.reset_meta()
+        self.silence_left = self.prefix_samples
 
     def fingerprint(self) -> str:
         cfg = {k: v for k, v in self.config.to_dict().items()
@@ -284,13 +304,52 @@ def load_speech(model_id: str, device: torch.device, dtype: torch.dtype,
     """`builtin:<speech model>` or a local Kyutai STT checkpoint directory (never downloads)."""
     if model_id.startswith('builtin:'):
         model, delay = build_tiny_stt(model_id.split(':', 1)[1])
-        tokenizer = ByteTokenizer()
+        tokenizer, settings = ByteTokenizer(), {'text_delay_s': delay}
     else:
-        model, tokenizer, delay = _load_local(Path(model_id).expanduser(), dtype)
+        model, tokenizer, settings = _load_local(Path(model_id).expanduser(), dtype)
+    rate = int(model.codec_model.config.sampling_rate)
+    if settings.get('sample_rate', rate) != rate:
+        raise ConfigError(
+            f"{model_id!r}: the processor's sampling_rate {settings['sample_rate']} is not the "
+            f"codec's {rate}")
     model = model.to(device)
     model.model.to(dtype)  # the codec stays float32 (transformers keeps it so)
     model.lm_head.to(dtype)
-    return KyutaiSTTAdapter(model, tokenizer, max_seq_len, model_id, delay)
+    return KyutaiSTTAdapter(model, tokenizer, max_seq_len, model_id, settings['text_delay_s'],
+                            settings.get('silence_prefix_s', 0.0),
+                            settings.get('source', 'built-in'))
+
+
+def processor_settings(path: Path) -> dict:
+    """
+    Return the text delay, silence prefix and rate a checkpoint's processor file states.
+
+    {'text_delay_s', 'silence_prefix_s', 'sample_rate' (if stated), 'source' (the file, or
+    a note that there is none and the defaults are in use)}.
+    """
+    for name in PROCESSOR_FILES:
+        try:
+            saved = json.loads((path / name).read_text())
+        except OSError:
+            continue
+        except ValueError as exc:
+            raise ConfigError(f'{str(path / name)!r} is not JSON: {exc}') from exc
+        # transformers 5 nests the feature extractor's settings in the processor's file.
+        fields = saved.get('feature_extractor', saved) if isinstance(saved, dict) else {}
+        try:
+            settings = {
+                'text_delay_s': float(fields.get('audio_delay_seconds', DEFAULT_DELAY_S)),
+                'silence_prefix_s': float(fields.get('audio_silence_prefix_seconds') or 0.0),
+                'source': name}
+            if fields.get('sampling_rate') is not None:
+                settings['sample_rate'] = int(fields['sampling_rate'])
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise ConfigError(f'{str(path / name)!r}: a bad processor setting: {exc}') from exc
+        if settings['text_delay_s'] < 0 or settings['silence_prefix_s'] < 0:
+            raise ConfigError(f'{str(path / name)!r}: a negative delay or silence prefix')
+        return settings
+    return {'text_delay_s': DEFAULT_DELAY_S, 'silence_prefix_s': 0.0,
+            'source': f'no processor file: defaults (text delay {DEFAULT_DELAY_S} s)'}
 
 
 def _load_local(path: Path, dtype: torch.dtype):
@@ -301,13 +360,7 @@ def _load_local(path: Path, dtype: torch.dtype):
             str(path), local_files_only=True, dtype=dtype)
     except Exception as exc:  # transformers raises many types for a bad checkpoint
         raise ConfigError(f'cannot load a Kyutai STT model from {str(path)!r}: {exc}') from exc
-    delay = DEFAULT_DELAY_S
-    try:
-        pre = json.loads((path / 'preprocessor_config.json').read_text())
-        delay = float(pre.get('audio_delay_seconds', delay))
-    except (OSError, ValueError, TypeError):
-        pass
-    return model, checkpoint_tokenizer(path), delay
+    return model, checkpoint_tokenizer(path), processor_settings(path)
 
 
 def save_speech_builtin(model_id: str, directory: str | Path) -> Path:

@@ -11,8 +11,15 @@ fixes its rate (another rate is refused until reset).
 position counts decoder steps (frame count + 1 once the utterance started); the cursor's
 pending token is the text token the next frame's step is fed.
 
+A checkpoint's silence prefix (its processor's audio_silence_prefix_seconds, which
+transformers' pipeline and Kyutai's own scripts put before the audio) is fed at model rate
+before the first audio of every utterance; the adapter's silence_left (meta) counts what of
+it is still to feed, so a boundary inside it continues it exactly.
+
 Decoding is greedy (Kyutai STT's own use). flush() reads the words still held back by the
 text delay: it feeds that much silence to a copy of the state and puts the live one back.
+Transcriber turns the token events into text, words with audio times and end-of-utterance
+events (below).
 
 A feed or a flush asks should_stop() before each frame it begins (so after each commit):
 when it says stop, nothing more of the call's samples is taken in, not even into the
@@ -21,6 +28,7 @@ partial frame, so a cut feed leaves the state at the last frame it committed.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 import math
 import time
@@ -45,6 +53,7 @@ class TranscriptEvent:
     text: str  # '' for the pad token (a frame with no new text)
     is_pad: bool
     position: int  # the decoder position after the step
+    rms: float = 0.0  # the frame's audio energy (root mean square, full scale 1.0)
 
 
 class FedAudio(list):
@@ -52,6 +61,7 @@ class FedAudio(list):
 
     cut = False
     dropped_samples = 0  # samples of the call not taken in (at the rate they were sent)
+    last_sample = 0  # samples of the call taken in when its last frame completed
 
 
 # Float samples are full scale at 1.0; a little gain past it is taken, more is refused.
@@ -170,16 +180,26 @@ class SpeechDriver(Driver):
         rt, adapter, cursor = self.rt, self.adapter, self.rt.cursor
         rate = stated_rate(adapter, sample_rate)
         adapter.resampler.check_stream(rate)
-        steps = self._frames_needed(adapter.resampler.count(audio.numel(), rate))
+        steps = self._frames_needed(adapter.silence_left
+                                    + adapter.resampler.count(audio.numel(), rate))
         if cursor.position + steps > rt.config.max_seq_len:
             raise InvalidRequestError(
                 f'utterance is full: position {cursor.position} + {steps} frames > max_seq_len '
                 f'{rt.config.max_seq_len}; reset() or restore a capsule first, or raise '
                 'max_seq_len')
-        return self._feed_frames(audio.to(rt.device), rate, True, should_stop)
+        events = FedAudio()
+        if adapter.silence_left:  # the utterance's silence prefix goes first
+            events = self._feed_frames(torch.zeros(adapter.silence_left, device=rt.device),
+                                       None, True, should_stop, prefix=True)
+            if events.cut:
+                events.dropped_samples = audio.numel()
+                return events
+        rest = self._feed_frames(audio.to(rt.device), rate, True, should_stop)
+        rest[:0] = events
+        return rest
 
     def _feed_frames(self, audio: torch.Tensor, rate: int | None, commit: bool,
-                     should_stop=None) -> FedAudio:
+                     should_stop=None, prefix: bool = False) -> FedAudio:
         """
         Fill the partial frame from samples [N] at `rate`; run and commit each frame completed.
 
@@ -187,7 +207,7 @@ class SpeechDriver(Driver):
         the state right after the sample that completed its frame, however the audio was
         chunked. rate None: model-rate samples that bypass the resampler (silence fed by
         flush, warmup). should_stop() is asked before each frame is begun; True leaves the
-        rest untaken.
+        rest untaken. prefix: the samples are the utterance's silence prefix (silence_left).
         """
         adapter, resampler = self.adapter, self.adapter.resampler
         events = FedAudio()
@@ -205,10 +225,13 @@ class SpeechDriver(Driver):
             partial[adapter.samples:adapter.samples + out.numel()].copy_(out)
             adapter.samples += out.numel()
             done += take
+            if prefix:
+                adapter.silence_left -= take
             if adapter.samples < frame_size:
                 break
             with guarded_forward(self.rt):  # a torn frame goes: back to the last completed one
                 events += self._frame()
+            events.last_sample = 0 if prefix else done
             if commit:
                 self.rt.writer.commit()
         return events
@@ -218,16 +241,18 @@ class SpeechDriver(Driver):
         adapter, cursor, events = self.adapter, self.rt.cursor, []
         frame = max(cursor.position - 1, 0)
         cursor.extent = max(cursor.extent, cursor.position + 2)
+        samples = adapter.partial.clone()
+        rms = float(samples.square().mean().sqrt())
         if cursor.position == 0:
-            events.append(self._emit(adapter.bos_step(0), adapter.config.bos_token_id, frame))
-        codes_logits = adapter.frame_step(adapter.partial.clone(), cursor.pending,
-                                          cursor.position)
+            events.append(self._emit(adapter.bos_step(0), adapter.config.bos_token_id, frame,
+                                     rms))
+        codes_logits = adapter.frame_step(samples, cursor.pending, cursor.position)
         adapter.partial.zero_()
         adapter.samples = 0
-        events.append(self._emit(codes_logits[1], cursor.pending, frame))
+        events.append(self._emit(codes_logits[1], cursor.pending, frame, rms))
         return events
 
-    def _emit(self, logits: torch.Tensor, fed: int, frame: int) -> TranscriptEvent:
+    def _emit(self, logits: torch.Tensor, fed: int, frame: int, rms: float) -> TranscriptEvent:
         """Record the step just run (fed token, logits, next token); return its event."""
         cursor, engine = self.rt.cursor, self.engine
         engine.logits.copy_(logits)
@@ -237,7 +262,7 @@ class SpeechDriver(Driver):
         cursor.pending = token
         pad = token == self.adapter.spec.pad_token_id
         return TranscriptEvent(frame, token, '' if pad else self.rt.tokenizer.decode([token]),
-                               pad, cursor.position)
+                               pad, cursor.position, rms)
 
     def _read_delayed(self, should_stop=None) -> FedAudio:
         """Read the delayed words: feed text-delay silence to a copy; live state unchanged."""
@@ -267,3 +292,161 @@ class SpeechDriver(Driver):
             return events
         finally:
             rt.codec.apply(saved)
+
+
+# ---- text, words and the end of an utterance ----------------------------------------------
+
+END_OF_PADDING_ID = 0  # Kyutai STT's "a word starts next" token: never text
+# End of utterance by default: 0.8 s of padding tokens over audio below -45 dBFS (a quiet
+# room through a close microphone is below it; speech is 20-40 dB above).
+QUIET_S, QUIET_DB = 0.8, -45.0
+
+
+@dataclass(frozen=True)
+class Word:
+    """A word of the transcript in audio time (s from the utterance's first sample)."""
+
+    text: str
+    start: float
+    end: float  # a partial word: its last piece so far
+    partial: bool  # it may still grow; a later update repeats it, committed
+
+
+@dataclass(frozen=True)
+class EndOfUtterance:
+    """The speaker stopped: the transcript quiet for `quiet_s` after these words."""
+
+    text: str  # the words since the last end of utterance
+    start: float  # audio time of its first word
+    end: float  # audio time of its last word's end
+    quiet_s: float
+    frame: int  # the frame that completed the quiet interval
+    pause_probability: float = math.nan  # a pause head's; NaN: the energy/padding rule
+
+
+@dataclass
+class TranscriptUpdate:
+    """What the events of one feed add to the transcript."""
+
+    ids: list  # the text tokens
+    text: str  # the text they add (with the spaces between words)
+    words: list  # the words they committed, then the one still partial (if any)
+    first_frame: int  # frame of the first text token (0 if none)
+    end_of_utterance: EndOfUtterance | None = None
+
+
+class Transcriber:
+    """
+    Turn token events into text, timed words and end-of-utterance events.
+
+    Text: decoded incrementally as the LM mode does (a short window of text tokens; what
+    the newest add), so a SentencePiece tokenizer's word-start pieces become spaces; the
+    pad token, end of padding (0), BOS and the tokenizer's special ids are never text.
+    Times: the token of frame f was emitted after (f + 1) frames of audio; the text lags
+    the audio by the text delay, and the silence prefix is not the speaker's, so its
+    audio time is (f + 1) * frame_s - delay - prefix (at least 0). A word starts at its
+    first character's frame and ends at the frame of the first token after it that does
+    not extend it (whitespace, a pad, end of padding): by then the text delay has passed
+    over its end, and it is committed; until then it is partial.
+    End of utterance: quiet_s of frames whose token is no text and whose audio is below
+    quiet_db (dB full scale), after at least one word (once per stretch of words).
+    Host state only: reset() when the live state is replaced (an interrupt, reset,
+    restore or rollback ends the utterance's transcript).
+    """
+
+    WINDOW = 8  # text tokens kept as decoding context
+
+    def __init__(self, tokenizer, spec, quiet_s: float = QUIET_S, quiet_db: float = QUIET_DB):
+        self._decode = tokenizer.decode
+        self._frame_s = spec.frame_size / spec.sample_rate
+        self._offset = spec.text_delay_s + spec.silence_prefix_s
+        special = set(getattr(tokenizer, 'special_ids', ())) | set(
+            getattr(tokenizer, 'specials', {}).values())  # (ByteTokenizer's)
+        # Ids past the tokenizer's vocabulary (Kyutai's BOS, 48000) are no text either.
+        self._not_text = frozenset(special | {END_OF_PADDING_ID, spec.pad_token_id})
+        self._vocab = getattr(tokenizer, 'vocab_size', None)
+        self.quiet_s, self.quiet_db, self._quiet_rms = quiet_s, quiet_db, 10 ** (quiet_db / 20)
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new utterance's transcript."""
+        self._ids: list[int] = []  # the decoding window
+        self._read = 0  # _ids[:_read] handed out as text
+        self._word: list | None = None  # [text, start frame, last frame] of the open word
+        self._heard: list[Word] = []  # committed words since the last end of utterance
+        self._quiet = 0  # quiet frames in a row
+        self._frame = -1  # the last frame seen
+
+    def fork(self) -> 'Transcriber':
+        """Return a copy that goes on apart (a flush's words, read from a copy of the state)."""
+        other = copy.copy(self)
+        other._ids, other._heard = list(self._ids), list(self._heard)
+        other._word = None if self._word is None else list(self._word)
+        return other
+
+    def time(self, frame: int) -> float:
+        """Return the audio time of the text emitted at `frame`."""
+        return max(0.0, round((frame + 1) * self._frame_s - self._offset, 6))
+
+    def is_text(self, token: int) -> bool:
+        return token not in self._not_text and (self._vocab is None or token < self._vocab)
+
+    def update(self, events) -> TranscriptUpdate:
+        """Fold the events of one feed (in order) into the transcript."""
+        out = TranscriptUpdate([], '', [], 0)
+        for event in events:
+            new_frame = event.frame != self._frame
+            self._frame = event.frame
+            if self.is_text(event.token_id):
+                if not out.ids:
+                    out.first_frame = event.frame
+                out.ids.append(event.token_id)
+                piece = self._piece(event.token_id)
+                out.text += piece
+                for char in piece:
+                    if char.isspace():
+                        self._close(event.frame, out)
+                    elif self._word is None:
+                        self._word = [char, event.frame, event.frame]
+                    else:
+                        self._word[0] += char
+                        self._word[2] = event.frame
+                self._quiet = 0
+            else:
+                self._close(event.frame, out)
+                quiet = event.rms < self._quiet_rms
+                self._quiet = self._quiet + 1 if quiet and new_frame else (
+                    self._quiet if quiet else 0)
+                if self._heard and self._quiet * self._frame_s >= self.quiet_s - 1e-9:
+                    out.end_of_utterance = self._end(event.frame)
+        if self._word is not None:
+            text, start, last = self._word
+            out.words.append(Word(text, self.time(start), self.time(last), True))
+        return out
+
+    def _piece(self, token: int) -> str:
+        """Return the text `token` adds (see the LM mode's Generation._new_text)."""
+        self._ids.append(token)
+        done = self._decode(self._ids[:self._read])
+        text = self._decode(self._ids)
+        piece = text[len(done):] if len(text) > len(done) else ''
+        if piece.endswith('\ufffd'):
+            return ''  # a multi-byte character cut in the middle: wait for the rest
+        if piece:
+            keep = max(len(self._ids) - self.WINDOW, 0)
+            self._ids, self._read = self._ids[keep:], len(self._ids) - keep
+        return piece
+
+    def _close(self, frame: int, out: TranscriptUpdate) -> None:
+        """End the open word at `frame` (committed)."""
+        if self._word is not None:
+            text, start, _ = self._word
+            word = Word(text, self.time(start), self.time(frame), False)
+            out.words.append(word)
+            self._heard.append(word)
+            self._word = None
+
+    def _end(self, frame: int) -> EndOfUtterance:
+        heard, self._heard = self._heard, []
+        return EndOfUtterance(' '.join(w.text for w in heard), heard[0].start, heard[-1].end,
+                              round(self._quiet * self._frame_s, 6), frame)
