@@ -1,12 +1,15 @@
 """The compiled CPU step: transformers' tokens, exact multi-token calls, and its fallbacks."""
 
+import shutil
 import threading
 
 from flashrt_ros.runtime import preemption
 from flashrt_ros.runtime.models import cpu_step
+from flashrt_ros.runtime.models.hf import DEFAULT_DIR, save_builtin
 from flashrt_ros.runtime.preemption import StepAborted
 import pytest
 from runtime_harness import decode_steps, greedy, OTHER_PROMPT, PROMPT
+import test_speculation as speculation
 import torch
 
 FAST = ['builtin:tiny-hybrid', 'builtin:tiny-qwen3-5']
@@ -219,8 +222,8 @@ def test_models_it_does_not_run_say_why(make_runtime):
                          ('builtin:tiny-mamba2', 'no decode fast path')]:
         rt = make_runtime(model)
         assert rt.adapter.cpu_step is None and words in rt.stats().cpu_step_note
-    bf16 = make_runtime('builtin:tiny-hybrid', dtype='bfloat16')
-    assert 'float32' in bf16.stats().cpu_step_note
+    half = make_runtime('builtin:tiny-hybrid', dtype='float16')
+    assert 'float32' in half.stats().cpu_step_note
 
 
 def test_restore_and_rollback_continue_exactly(make_runtime):
@@ -236,3 +239,89 @@ def test_restore_and_rollback_continue_exactly(make_runtime):
     greedy(rt, 5)
     rt.rollback(1)
     assert greedy(rt, 12) == reference and rt.state_digest() == digest
+
+
+# ---- bfloat16 -------------------------------------------------------------------------
+# A bf16 model's step is float32 arithmetic over its weights' exact float32 values, with
+# the conv window and KV rows rounded to bf16 as the arena stores them. transformers' bf16
+# forward rounds every activation (the residual stream too) to bf16, so the two agree to
+# bf16 rounding over the layers: within BF16_LOGITS of the largest logit, with the same
+# argmax. Whole greedy turns are compared on the trained default only: a random model's
+# near-ties are closer than bf16 rounding, and a turn there may flip a token (tiny-hybrid
+# did at its 18th).
+BF16_LOGITS = 0.15
+
+
+def _bf16_checkpoint(model, directory):
+    """Write `model` (a built-in or 'default') as a bf16 checkpoint folder; return its path."""
+    if model != 'default':
+        return str(save_builtin(model, directory, torch.bfloat16))
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(str(DEFAULT_DIR), dtype=torch.bfloat16).save_pretrained(
+        str(directory))
+    for f in DEFAULT_DIR.iterdir():
+        if not (directory / f.name).exists():
+            shutil.copy(f, directory / f.name)
+    return str(directory)
+
+
+def _bf16(make_runtime):
+    return lambda model='builtin:tiny-hybrid', **kw: make_runtime(model, **{
+        'dtype': 'bfloat16', **kw})
+
+
+@pytest.mark.parametrize('k', [7, 40, 1037])
+def test_bf16_products_are_the_float32_products_of_the_widened_weights(k):
+    lib = cpu_step.library()
+    g = torch.Generator().manual_seed(k)
+    rows, T = 37, 4
+    w = torch.randn(rows, k, generator=g).bfloat16()
+    x, ones = torch.randn(T, k, generator=g), torch.ones(k)
+    out = {}
+    for weights, bf in ((w, 1), (w.float(), 0)):
+        y, normed = torch.empty(T, rows), torch.empty(T, k)
+        lib.fr_head(x.data_ptr(), ones.data_ptr(), 1e-6, weights.data_ptr(), y.data_ptr(),
+                    normed.data_ptr(), k, rows, T, 1, bf)
+        out[bf] = y
+    assert torch.equal(out[0], out[1])
+
+
+@pytest.mark.parametrize('model,turns', [('builtin:tiny-hybrid', False), ('default', True)])
+def test_a_bf16_checkpoint_steps_compiled_like_transformers_bf16(make_runtime, tmp_path, model,
+                                                                 turns):
+    path = _bf16_checkpoint(model, tmp_path / 'bf16')
+    fast = make_runtime(path, dtype='auto', max_seq_len=600)
+    exact = make_runtime(path, dtype='auto', max_seq_len=600, cpu_step=False)
+    assert fast.adapter.dtype == torch.bfloat16
+    assert fast.adapter.cpu_step is not None, fast.stats().cpu_step_note
+    for rt in (fast, exact):
+        rt.prefill(PROMPT * 8, raw=True)
+    logits_fast, _ = decode_steps(fast, 16)
+    logits_exact, _ = decode_steps(exact, 16)
+    for i, (a, b) in enumerate(zip(logits_fast, logits_exact)):
+        assert (a - b).abs().max() <= BF16_LOGITS * b.abs().max(), i
+        assert int(a.argmax()) == int(b.argmax()), i
+    for prompt in (PROMPT, OTHER_PROMPT) if turns else ():
+        fast.reset()
+        exact.reset()
+        assert greedy(fast, 20, prompt=prompt) == greedy(exact, 20, prompt=prompt)
+
+
+@pytest.mark.parametrize('model', FAST)
+def test_bf16_multi_token_calls_equal_single_steps_bit_for_bit(make_runtime, model):
+    test_a_multi_token_call_equals_single_steps_bit_for_bit(_bf16(make_runtime), model)
+
+
+def test_bf16_thread_count_changes_no_bit(make_runtime):
+    test_the_thread_count_changes_no_bit(_bf16(make_runtime), 'builtin:tiny-qwen3-5')
+
+
+def test_bf16_restore_and_rollback_continue_exactly(make_runtime):
+    test_restore_and_rollback_continue_exactly(_bf16(make_runtime))
+
+
+@pytest.mark.parametrize('model', speculation.MODELS)
+def test_bf16_compiled_verify_is_plain_greedy_at_every_commit(make_runtime, model):
+    speculation.test_compiled_batched_rounds_are_plain_greedy_at_every_commit(
+        _bf16(make_runtime), model, 'mixed')

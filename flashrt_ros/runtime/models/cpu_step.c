@@ -1,7 +1,13 @@
 /*
  * Tokens of a Qwen3-Next / Qwen3.5 hybrid (and its MTP head) through the model on the CPU,
- * float32, one layer per call, reading the model's own weight tensors and writing the state
- * in place into the arena views. cpu_step.py builds the structs and compiles this file.
+ * one layer per call, reading the model's own weight tensors and writing the state in place
+ * into the arena views. cpu_step.py builds the structs and compiles this file.
+ *
+ * Weights are float32 or bfloat16, and so are the conv window and the KV rows (the
+ * arena's dtype); activations and sums are float32 throughout. A bf16 value widens to
+ * float32 exactly (its bits shifted up), in registers as the row is read, so a bf16 model's
+ * step is a float32 step over its weights' float32 values with its state rounded to bf16
+ * where the arena stores it; only the bytes read halve.
  *
  * Why: on a CPU a decode step is a chain of matrix-vector products that should run at
  * memory bandwidth, plus a few hundred tiny ops. The BLAS behind torch runs a
@@ -53,28 +59,29 @@ struct fr_layer {
     int64_t kind;  /* 0: gated DeltaNet, 1: gated attention */
     int64_t hidden, inter, nthreads;
     float eps, pad0;
+    int64_t w_bf16, conv_bf16, kv_bf16;   /* 1: the weight matrices / conv / KV rows are bf16 */
     const float *in_norm, *post_norm;     /* [H] each, with the model's 1 + w folded in */
-    const float *w_gate, *w_up, *w_down;  /* [I, H], [I, H], [H, I] */
+    const void *w_gate, *w_up, *w_down;   /* [I, H], [I, H], [H, I] */
     float *scratch;                       /* cpu_step.py: CpuModel.scratch_floats */
     /* gated DeltaNet */
-    const float *w_proj[4];               /* projections whose outputs are concatenated */
+    const void *w_proj[4];                /* projections whose outputs are concatenated */
     int64_t proj_rows[4];
     const int32_t *proj_perm;             /* [P] to canonical q|k|v|z|b|a order, or NULL */
     const float *conv_w, *conv_b;         /* [C, K], [C] or NULL */
-    float *conv_state;                    /* [C, K] arena view */
+    void *conv_state;                     /* [C, K] arena view */
     int64_t conv_k, hk, hv, dk, dv;
     const float *neg_a, *dt_bias;         /* [Hv]: -exp(A_log), dt_bias */
     const float *gate_norm;               /* [Dv] */
     float *recurrent;                     /* [Hv, Dk, Dv] arena view */
-    const float *w_out;                   /* [H, Hv * Dv] */
+    const void *w_out;                    /* [H, Hv * Dv] */
     /* gated attention */
-    const float *w_q, *w_k, *w_v, *w_o;   /* [Hq*2D, H], [Hkv*D, H] x2, [H, Hq*D] */
+    const void *w_q, *w_k, *w_v, *w_o;    /* [Hq*2D, H], [Hkv*D, H] x2, [H, Hq*D] */
     const float *q_norm, *k_norm;         /* [D], 1 + w folded in */
     const float *inv_freq;                /* [R/2] */
     int64_t hq, hkv, hd, rot, rope_offset;
     float scaling, rope_scale;
-    float *keys, *values;                 /* arena views: [Hkv, max_len, D] */
-    int64_t head_stride, seq_stride;      /* in floats, the same for keys and values */
+    void *keys, *values;                  /* arena views: [Hkv, max_len, D] */
+    int64_t head_stride, seq_stride;      /* in elements, the same for keys and values */
     int64_t *length;                      /* the layer's cumulative length counter */
 };
 
@@ -96,22 +103,107 @@ static inline float hsum8(v8 v)
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-/* Two vector accumulators in registers: enough loads in flight to stream a weight row. */
-static inline float dot(const float *a, const float *b, int64_t n)
+/* bfloat16 is the high half of a float32: widening is a shift, exact. */
+static inline float bf16_float(uint16_t h)
+{
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round to the nearest bf16, ties to even, as torch's .to(torch.bfloat16) does. */
+static inline uint16_t bf16_round(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return 0x7fc0;  /* NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Element i of a float32 (bf == 0) or bf16 (bf == 1) array; bf a constant after inlining. */
+static inline float elem(const void *p, int64_t i, const int bf)
+{
+    return bf ? bf16_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* n floats into a float32 or bf16 row (rounded) */
+static void put_row(void *dst, const float *src, int64_t n, int bf)
+{
+    if (!bf) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    for (int64_t i = 0; i < n; i++)
+        ((uint16_t *)dst)[i] = bf16_round(src[i]);
+}
+
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+/* 8 elements from i of a float32 or bf16 array, as floats: bf16 widens in registers */
+static inline v8 load8w(const void *p, int64_t i, const int bf)
+{
+    if (!bf)
+        return load8((const float *)p + i);
+    v8h h;
+    memcpy(&h, (const uint16_t *)p + i, sizeof h);
+    return (v8)(__builtin_convertvector(h, v8u) << 16);
+}
+
+/*
+ * The weight products' vectors: LANES floats (8 or 16), chosen when cpu_step.py compiles
+ * this file by timing both (16 lanes pay only where the CPU runs them at full rate).
+ */
+#ifndef LANES
+#define LANES 8
+#endif
+typedef float vw __attribute__((vector_size(4 * LANES)));
+typedef uint16_t vwh __attribute__((vector_size(2 * LANES)));
+typedef uint32_t vwu __attribute__((vector_size(4 * LANES)));
+
+static inline vw loadw(const void *p, int64_t i, const int bf)
+{
+    vw v;
+    if (!bf) {
+        memcpy(&v, (const float *)p + i, sizeof v);
+        return v;
+    }
+    vwh h;
+    memcpy(&h, (const uint16_t *)p + i, sizeof h);
+    return (vw)(__builtin_convertvector(h, vwu) << 16);
+}
+
+static inline float hsumw(vw v)
+{
+#if LANES == 16
+    v8 lo, hi;
+    memcpy(&lo, &v, sizeof lo);
+    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
+    return hsum8(lo + hi);
+#else
+    return hsum8(v);
+#endif
+}
+
+/* a . b[0, n) for b float32 or bf16: two vector accumulators, a scalar tail */
+static inline __attribute__((always_inline)) float dot(const float *a, const void *b,
+                                                       int64_t n, const int bf)
 {
     v8 s0 = {0}, s1 = {0};
     int64_t j = 0;
     for (; j + 16 <= n; j += 16) {
-        s0 += load8(a + j) * load8(b + j);
-        s1 += load8(a + j + 8) * load8(b + j + 8);
+        s0 += load8(a + j) * load8w(b, j, bf);
+        s1 += load8(a + j + 8) * load8w(b, j + 8, bf);
     }
     if (j + 8 <= n) {
-        s0 += load8(a + j) * load8(b + j);
+        s0 += load8(a + j) * load8w(b, j, bf);
         j += 8;
     }
     float s = hsum8(s0 + s1);
     for (; j < n; j++)
-        s += a[j] * b[j];
+        s = fmaf(a[j], elem(b, j, bf), s);
     return s;
 }
 
@@ -122,99 +214,108 @@ static inline float dot(const float *a, const float *b, int64_t n)
  * on neither R nor T; R * T pairs give R * T * 2 independent FMA chains, enough to hide
  * the FMA latency that a single row's two chains would wait on.
  */
-static inline __attribute__((always_inline)) void dots(const float *const *a, const int R,
+static inline __attribute__((always_inline)) void dots(const void *const *a, const int R,
                                                        const float *x, int64_t k, float *y,
-                                                       int64_t width, const int T)
+                                                       int64_t width, const int T, const int bf)
 {
-    v8 s0[4][4], s1[4][4];
+    vw s0[4][4], s1[4][4];
     for (int r = 0; r < R; r++)  /* not `= {0}`: that zeroes all 16 with a slow rep stos */
         for (int t = 0; t < T; t++)
-            s0[r][t] = s1[r][t] = (v8){0};
+            s0[r][t] = s1[r][t] = (vw){0};
     int64_t j = 0;
-    for (; j + 16 <= k; j += 16)
+    for (; j + 2 * LANES <= k; j += 2 * LANES)
         for (int r = 0; r < R; r++) {
-            const v8 a0 = load8(a[r] + j), a1 = load8(a[r] + j + 8);
+            const vw a0 = loadw(a[r], j, bf), a1 = loadw(a[r], j + LANES, bf);
             for (int t = 0; t < T; t++) {
-                s0[r][t] += a0 * load8(x + t * k + j);
-                s1[r][t] += a1 * load8(x + t * k + j + 8);
+                s0[r][t] += a0 * loadw(x + t * k, j, 0);
+                s1[r][t] += a1 * loadw(x + t * k, j + LANES, 0);
             }
         }
-    if (j + 8 <= k) {
+    if (j + LANES <= k) {
         for (int r = 0; r < R; r++) {
-            const v8 a0 = load8(a[r] + j);
+            const vw a0 = loadw(a[r], j, bf);
             for (int t = 0; t < T; t++)
-                s0[r][t] += a0 * load8(x + t * k + j);
+                s0[r][t] += a0 * loadw(x + t * k, j, 0);
         }
-        j += 8;
+        j += LANES;
     }
     for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++) {
-            float s = hsum8(s0[r][t] + s1[r][t]);
-            for (int64_t i = j; i < k; i++)
-                s += a[r][i] * x[t * k + i];
+            float s = hsumw(s0[r][t] + s1[r][t]);
+            for (int64_t i = j; i < k; i++)  /* fmaf: one rounding whatever the dtype */
+                s = fmaf(elem(a[r], i, bf), x[t * k + i], s);
             y[r + t * width] = s;
         }
 }
 
 /* dots() of R rows with T tokens, R * T <= 4: the chains registers hold */
-static inline void dots_block(const float *const *a, int R, const float *x, int64_t k,
-                              float *y, int64_t width, int T)
+static inline __attribute__((always_inline)) void dots_block(const void *const *a, int R,
+                                                             const float *x, int64_t k,
+                                                             float *y, int64_t width, int T,
+                                                             const int bf)
 {
     switch (R * 4 + T) {
-    case 4 + 1: dots(a, 1, x, k, y, width, 1); break;
-    case 4 + 2: dots(a, 1, x, k, y, width, 2); break;
-    case 4 + 3: dots(a, 1, x, k, y, width, 3); break;
-    case 4 + 4: dots(a, 1, x, k, y, width, 4); break;
-    case 8 + 1: dots(a, 2, x, k, y, width, 1); break;
-    case 8 + 2: dots(a, 2, x, k, y, width, 2); break;
-    default: dots(a, 4, x, k, y, width, 1); break;
+    case 4 + 1: dots(a, 1, x, k, y, width, 1, bf); break;
+    case 4 + 2: dots(a, 1, x, k, y, width, 2, bf); break;
+    case 4 + 3: dots(a, 1, x, k, y, width, 3, bf); break;
+    case 4 + 4: dots(a, 1, x, k, y, width, 4, bf); break;
+    case 8 + 1: dots(a, 2, x, k, y, width, 1, bf); break;
+    case 8 + 2: dots(a, 2, x, k, y, width, 2, bf); break;
+    default: dots(a, 4, x, k, y, width, 1, bf); break;
     }
 }
 
 /*
  * y[t, :] = concat_m(W_m x[t]) for t < T, W_m [rows[m], k], y rows `width` floats apart,
  * over the concatenated rows [lo, hi): `most` rows at a time (R * T <= 4), each row of W
- * read once for up to 4 tokens.
+ * read once for up to 4 tokens. W float32 (bf 0) or bf16 (bf 1).
  */
-static void project_rows(const float *const *w, const int64_t *rows, const float *x,
-                         float *y, int64_t k, int64_t T, int64_t width, int64_t lo, int64_t hi,
-                         int most)
+static inline __attribute__((always_inline)) void project_rows(
+    const void *const *w, const int64_t *rows, const float *x, float *y, int64_t k, int64_t T,
+    int64_t width, int64_t lo, int64_t hi, int most, const int bf)
 {
+    const int64_t row_bytes = k * (bf ? 2 : 4);
     int m = 0;
     int64_t first = 0;  /* the first row of matrix m */
     for (int64_t i = lo; i < hi;) {
         int R = hi - i < most ? (int)(hi - i) : most;
         R = R == 3 ? 2 : R;
-        const float *a[4];
+        const void *a[4];
         for (int r = 0; r < R; r++) {
             while (i + r - first >= rows[m])
                 first += rows[m++];
-            a[r] = w[m] + (i + r - first) * k;
+            a[r] = (const char *)w[m] + (i + r - first) * row_bytes;
         }
         for (int64_t t0 = 0; t0 < T; t0 += 4)  /* 4 tokens at a time: registers */
             dots_block(a, R, x + t0 * k, k, y + t0 * width + i, width,
-                       T - t0 < 4 ? (int)(T - t0) : 4);
+                       T - t0 < 4 ? (int)(T - t0) : 4, bf);
         i += R;
     }
 }
 
-static void project(const float *const *w, const int64_t *rows, int count, const float *x,
-                    float *y, int64_t k, int64_t T, int64_t width, int nthreads)
+static void project(const void *const *w, const int64_t *rows, int count, const float *x,
+                    float *y, int64_t k, int64_t T, int64_t width, int nthreads, int bf)
 {
     int64_t n = 0;
     for (int m = 0; m < count; m++)
         n += rows[m];
     /* Rows per block: several for few tokens while the weights come from cache; one when
      * they stream from memory, where one sequential stream per thread reads fastest. */
-    const int most = n * k >= PARALLEL_MIN ? 1 : T == 1 ? 4 : T == 2 ? 2 : 1;
-    SPLIT(n, n * k * T, nthreads, project_rows(w, rows, x, y, k, T, width, lo, hi, most));
+    const int64_t bytes = n * k * (bf ? 2 : 4);
+    const int most = bytes >= 4 * PARALLEL_MIN ? 1 : T == 1 ? 4 : T == 2 ? 2 : 1;
+    if (bf)
+        SPLIT(n, bytes / 4 * T, nthreads,
+              project_rows(w, rows, x, y, k, T, width, lo, hi, most, 1));
+    else
+        SPLIT(n, bytes / 4 * T, nthreads,
+              project_rows(w, rows, x, y, k, T, width, lo, hi, most, 0));
 }
 
 /* y[t, n] = W[n, k] x[t, k] for t < T */
-static void matmul(const float *w, const float *x, float *y, int64_t n, int64_t k, int64_t T,
-                   int nthreads)
+static void matmul(const void *w, const float *x, float *y, int64_t n, int64_t k, int64_t T,
+                   int nthreads, int bf)
 {
-    project(&w, &n, 1, x, y, k, T, n, nthreads);
+    project(&w, &n, 1, x, y, k, T, n, nthreads, bf);
 }
 
 /*
@@ -283,15 +384,15 @@ static void l2_norm(float *x, int64_t n, float scale)
 static void mlp(const struct fr_layer *L, float *h, float *x, float *g, float *u, int64_t T)
 {
     const int64_t H = L->hidden, I = L->inter;
-    const float *w[2] = {L->w_gate, L->w_up};
+    const void *w[2] = {L->w_gate, L->w_up};
     const int64_t rows[2] = {I, I};
     for (int64_t t = 0; t < T; t++)
         rms_norm(h + t * H, L->post_norm, x + t * H, H, L->eps);
-    project(w, rows, 2, x, g, H, T, 2 * I, L->nthreads);  /* g[t] = [gate | up] */
+    project(w, rows, 2, x, g, H, T, 2 * I, L->nthreads, L->w_bf16);  /* g[t] = [gate | up] */
     for (int64_t t = 0; t < T; t++)
         for (int64_t i = 0; i < I; i++)
             u[t * I + i] = silu(g[t * 2 * I + i]) * g[t * 2 * I + I + i];
-    matmul(L->w_down, u, x, H, I, T, L->nthreads);
+    matmul(L->w_down, u, x, H, I, T, L->nthreads, L->w_bf16);
     for (int64_t i = 0; i < T * H; i++)
         h[i] += x[i];
 }
@@ -305,15 +406,25 @@ static void delta_token(const struct fr_layer *L, float *p, float *o)
 {
     const int64_t hk = L->hk, hv = L->hv, dk = L->dk, dv = L->dv, K = L->conv_k;
     const int64_t conv_dim = 2 * hk * dk + hv * dv;
-    /* conv: shift the token into the window, then one K-tap dot product per channel */
+    /* conv: shift the token into the window (as the window stores it: a bf16 window
+     * rounds it), then one K-tap dot product per channel over the window */
+    const int bf = (int)L->conv_bf16;
     for (int64_t c = 0; c < conv_dim; c++) {
-        float *s = L->conv_state + c * K;
-        for (int64_t t = 0; t + 1 < K; t++)
-            s[t] = s[t + 1];
-        s[K - 1] = p[c];
         float acc = L->conv_b ? L->conv_b[c] : 0.0f;
-        for (int64_t t = 0; t < K; t++)
-            acc += s[t] * L->conv_w[c * K + t];
+        if (bf) {
+            uint16_t *s = (uint16_t *)L->conv_state + c * K;
+            memmove(s, s + 1, (size_t)(K - 1) * sizeof *s);
+            s[K - 1] = bf16_round(p[c]);
+            for (int64_t t = 0; t < K; t++)
+                acc += bf16_float(s[t]) * L->conv_w[c * K + t];
+        } else {
+            float *s = (float *)L->conv_state + c * K;
+            for (int64_t t = 0; t + 1 < K; t++)
+                s[t] = s[t + 1];
+            s[K - 1] = p[c];
+            for (int64_t t = 0; t < K; t++)
+                acc += s[t] * L->conv_w[c * K + t];
+        }
         p[c] = silu(acc);
     }
     float *q = p, *k = p + hk * dk, *v = p + 2 * hk * dk, *z = p + conv_dim;
@@ -376,24 +487,25 @@ static void gated_delta(const struct fr_layer *L, const float *x, float *out, fl
     const int64_t hv = L->hv, dv = L->dv, H = L->hidden;
     const int64_t conv_dim = 2 * L->hk * L->dk + hv * dv, width = conv_dim + hv * dv + 2 * hv;
     const int64_t conv_n = conv_dim * L->conv_k, rec_n = hv * L->dk * dv;
+    const size_t conv_bytes = (size_t)conv_n * (L->conv_bf16 ? 2 : 4);
     float *raw = buf, *p = raw + T * width, *o = p + T * width;
     int count = 0;
     while (count < 4 && L->w_proj[count])
         count++;
     project(L->w_proj, L->proj_rows, count, x, L->proj_perm ? raw : p, H, T, width,
-            L->nthreads);
+            L->nthreads, L->w_bf16);
     for (int64_t t = 0; t < T; t++) {
         if (L->proj_perm)
             for (int64_t i = 0; i < width; i++)
                 p[t * width + i] = raw[t * width + L->proj_perm[i]];
         delta_token(L, p + t * width, o + t * hv * dv);
         if (save && t < T - 1) {
-            memcpy(save + t * (conv_n + rec_n), L->conv_state, (size_t)conv_n * sizeof(float));
+            memcpy(save + t * (conv_n + rec_n), L->conv_state, conv_bytes);
             memcpy(save + t * (conv_n + rec_n) + conv_n, L->recurrent,
                    (size_t)rec_n * sizeof(float));
         }
     }
-    matmul(L->w_out, o, out, H, hv * dv, T, L->nthreads);
+    matmul(L->w_out, o, out, H, hv * dv, T, L->nthreads, L->w_bf16);
 }
 
 static void rope(float *x, const float *cosv, const float *sinv, int64_t rot)
@@ -406,10 +518,10 @@ static void rope(float *x, const float *cosv, const float *sinv, int64_t rot)
     }
 }
 
-/* Ask for the cache lines of n floats at p (rows a page apart defeat the hardware's). */
-static inline void prefetch_row(const float *p, int64_t n)
+/* Ask for the cache lines of n bytes at p (rows a page apart defeat the hardware's). */
+static inline void prefetch_row(const char *p, int64_t n)
 {
-    for (int64_t i = 0; i < n; i += 16)
+    for (int64_t i = 0; i < n; i += 64)
         __builtin_prefetch(p + i, 0, 0);
 }
 
@@ -434,31 +546,31 @@ static inline v8 hsum8x8(const v8 *a)
 }
 
 /*
- * s[r] = scaling * q . k_r for rows r < n of kb (rows `stride` floats apart, d % 8 == 0):
- * 8 rows at a time, each row's products in its own register and the 8 sums reduced
- * together. A block past the end repeats the last row, so every score is formed the same
- * way wherever it sits. Returns the largest score.
+ * s[r] = scaling * q . k_r for rows r < n of kb (rows `stride` bytes apart, d % 8 == 0,
+ * float32 or bf16 as bf): 8 rows at a time, each row's products in its own register and
+ * the 8 sums reduced together. A block past the end repeats the last row, so every score
+ * is formed the same way wherever it sits. Returns the largest score.
  */
-static float scores8(const float *restrict q, const float *restrict kb, int64_t n,
-                     int64_t stride, int64_t d, float scaling, int64_t ahead,
-                     float *restrict s)
+static inline __attribute__((always_inline)) float scores8(
+    const float *restrict q, const char *restrict kb, int64_t n, int64_t stride, int64_t d,
+    float scaling, int64_t ahead, float *restrict s, const int bf)
 {
     v8 best = {-INFINITY, -INFINITY, -INFINITY, -INFINITY,
                -INFINITY, -INFINITY, -INFINITY, -INFINITY};
     for (int64_t r0 = 0; r0 < n; r0 += 8) {
-        const float *rows[8];
+        const char *rows[8];
         for (int r = 0; r < 8; r++)
             rows[r] = kb + (r0 + r < n ? r0 + r : n - 1) * stride;
         if (ahead)
             for (int r = 0; r < 8; r++)
-                prefetch_row(rows[r] + ahead, d);
+                prefetch_row(rows[r] + ahead, d * (bf ? 2 : 4));
         v8 acc[8];
         for (int r = 0; r < 8; r++)
             acc[r] = (v8){0};
         for (int64_t i = 0; i < d; i += 8) {
             const v8 qi = load8(q + i);
             for (int r = 0; r < 8; r++)
-                acc[r] += qi * load8(rows[r] + i);
+                acc[r] += qi * load8w(rows[r], i, bf);
         }
         const v8 sc = hsum8x8(acc) * scaling;
         best = (v8)(((v8i)best & (v8i)(best >= sc)) | ((v8i)sc & (v8i)(best < sc)));
@@ -478,42 +590,43 @@ static float scores8(const float *restrict q, const float *restrict kb, int64_t 
 
 /*
  * out[c..c + 8 NV) = sum over rows r < n, in order, of p[r] * v_r[c..c + 8 NV): NV
- * registers of sums (NV a constant after inlining).
+ * registers of sums (NV and bf constants after inlining; rows `stride` bytes apart).
  */
 static inline __attribute__((always_inline)) void weigh_rows(
-    const float *restrict vb, int64_t stride, const float *restrict p, int64_t n, int64_t c,
-    float *restrict out, int64_t ahead, int64_t d, const int NV)
+    const char *restrict vb, int64_t stride, const float *restrict p, int64_t n, int64_t c,
+    float *restrict out, int64_t ahead, int64_t d, const int NV, const int bf)
 {
     v8 acc[8];
     for (int i = 0; i < NV; i++)
         acc[i] = (v8){0};
     for (int64_t r = 0; r < n; r++) {
-        const float *vr = vb + r * stride + c;
+        const char *vr = vb + r * stride;
         if (ahead)
-            prefetch_row(vr - c + ahead, d);
+            prefetch_row(vr + ahead, d * (bf ? 2 : 4));
         const float pr = p[r];
         for (int i = 0; i < NV; i++)
-            acc[i] += pr * load8(vr + 8 * i);
+            acc[i] += pr * load8w(vr, c + 8 * i, bf);
     }
     for (int i = 0; i < NV; i++)
         store8(out + c + 8 * i, acc[i]);
 }
 
 /* weigh_rows() over all d dims (d % 8 == 0), 64 at a time: the sums stay in registers */
-static void weigh(const float *vb, int64_t stride, const float *p, int64_t n, float *out,
-                  int64_t ahead, int64_t d)
+static inline __attribute__((always_inline)) void weigh(const char *vb, int64_t stride,
+                                                        const float *p, int64_t n, float *out,
+                                                        int64_t ahead, int64_t d, const int bf)
 {
     for (int64_t c = 0; c < d; c += 64) {
         const int64_t pf = c == 0 ? ahead : 0;  /* each row is asked for once */
         switch (d - c >= 64 ? 8 : (int)((d - c) / 8)) {
-        case 1: weigh_rows(vb, stride, p, n, c, out, pf, d, 1); break;
-        case 2: weigh_rows(vb, stride, p, n, c, out, pf, d, 2); break;
-        case 3: weigh_rows(vb, stride, p, n, c, out, pf, d, 3); break;
-        case 4: weigh_rows(vb, stride, p, n, c, out, pf, d, 4); break;
-        case 5: weigh_rows(vb, stride, p, n, c, out, pf, d, 5); break;
-        case 6: weigh_rows(vb, stride, p, n, c, out, pf, d, 6); break;
-        case 7: weigh_rows(vb, stride, p, n, c, out, pf, d, 7); break;
-        default: weigh_rows(vb, stride, p, n, c, out, pf, d, 8); break;
+        case 1: weigh_rows(vb, stride, p, n, c, out, pf, d, 1, bf); break;
+        case 2: weigh_rows(vb, stride, p, n, c, out, pf, d, 2, bf); break;
+        case 3: weigh_rows(vb, stride, p, n, c, out, pf, d, 3, bf); break;
+        case 4: weigh_rows(vb, stride, p, n, c, out, pf, d, 4, bf); break;
+        case 5: weigh_rows(vb, stride, p, n, c, out, pf, d, 5, bf); break;
+        case 6: weigh_rows(vb, stride, p, n, c, out, pf, d, 6, bf); break;
+        case 7: weigh_rows(vb, stride, p, n, c, out, pf, d, 7, bf); break;
+        default: weigh_rows(vb, stride, p, n, c, out, pf, d, 8, bf); break;
         }
     }
 }
@@ -523,26 +636,29 @@ static void weigh(const float *vb, int64_t stride, const float *p, int64_t n, fl
  * span's key and value rows stay in cache for all of them. Leaves, per head, the running
  * max, the sum of exponentials and the unnormalised output (acc [groups, d]).
  */
-static void attend_span(const struct fr_layer *L, const float *restrict q, int64_t g,
-                        int64_t lo, int64_t hi, float *restrict s, float *restrict top,
-                        float *restrict sum, float *restrict acc)
+static inline __attribute__((always_inline)) void attend_span(
+    const struct fr_layer *L, const float *restrict q, int64_t g, int64_t lo, int64_t hi,
+    float *restrict s, float *restrict top, float *restrict sum, float *restrict acc,
+    const int bf)
 {
-    const int64_t d = L->hd, groups = L->hq / L->hkv, n = hi - lo, stride = L->seq_stride;
+    const int64_t d = L->hd, groups = L->hq / L->hkv, n = hi - lo, es = bf ? 2 : 4;
+    const int64_t stride = L->seq_stride * es;  /* bytes */
     const float scaling = L->scaling;
     /* Rows are a whole arena row apart (one page or more): prefetch a few ahead. */
-    const int64_t rows_ahead = PREFETCH_BYTES / (4 * stride);
+    const int64_t rows_ahead = PREFETCH_BYTES / stride;
     const int64_t ahead = (rows_ahead > 2 ? rows_ahead : 2) * stride;
-    const float *restrict kb = L->keys + g * L->head_stride + lo * stride;
-    const float *restrict vb = L->values + g * L->head_stride + lo * stride;
+    const char *restrict kb = (const char *)L->keys + (g * L->head_stride) * es + lo * stride;
+    const char *restrict vb = (const char *)L->values + (g * L->head_stride) * es + lo * stride;
     if (d % 8 == 0) {  /* head dims are multiples of 8 in practice */
         for (int64_t j = 0; j < groups; j++)
             top[j] = scores8(q + (g * groups + j) * 2 * d, kb, n, stride, d, scaling,
-                             j == 0 ? ahead : 0, s + j * n);
+                             j == 0 ? ahead : 0, s + j * n, bf);
     } else {
         for (int64_t j = 0; j < groups; j++) {
             top[j] = -INFINITY;
             for (int64_t r = 0; r < n; r++) {
-                const float v = dot(q + (g * groups + j) * 2 * d, kb + r * stride, d) * scaling;
+                const float v = dot(q + (g * groups + j) * 2 * d, kb + r * stride, d, bf)
+                                * scaling;
                 s[j * n + r] = v;
                 top[j] = v > top[j] ? v : top[j];
             }
@@ -557,13 +673,13 @@ static void attend_span(const struct fr_layer *L, const float *restrict q, int64
     for (int64_t j = 0; j < groups; j++) {
         float *a = acc + j * d;
         if (d % 8 == 0) {
-            weigh(vb, stride, s + j * n, n, a, j == 0 ? ahead : 0, d);
+            weigh(vb, stride, s + j * n, n, a, j == 0 ? ahead : 0, d, bf);
         } else {
             for (int64_t i = 0; i < d; i++)
                 a[i] = 0.0f;
             for (int64_t r = 0; r < n; r++)
                 for (int64_t i = 0; i < d; i++)
-                    a[i] += s[j * n + r] * vb[r * stride + i];
+                    a[i] += s[j * n + r] * elem(vb + r * stride, i, bf);
         }
     }
 }
@@ -580,7 +696,10 @@ static void attend_items(const struct fr_layer *L, const float *q, int64_t kv_le
         const int64_t first = sp * SPAN, last = first + SPAN < kv_len ? first + SPAN : kv_len;
         for (int64_t g = 0; g < L->hkv; g++) {
             float *s = scores + (g * spans + sp) * item, *top = s + groups * SPAN;
-            attend_span(L, q, g, first, last, s, top, top + groups, top + 2 * groups);
+            if (L->kv_bf16)
+                attend_span(L, q, g, first, last, s, top, top + groups, top + 2 * groups, 1);
+            else
+                attend_span(L, q, g, first, last, s, top, top + groups, top + 2 * groups, 0);
         }
     }
 }
@@ -596,9 +715,10 @@ static void attention(const struct fr_layer *L, const float *x, float *out, floa
     const int64_t hq = L->hq, hkv = L->hkv, d = L->hd, groups = hq / hkv, H = L->hidden;
     float *qg = buf, *att = qg + T * (2 * hq * d + 2 * hkv * d);
     float *cosv = att + T * hq * d, *sinv = cosv + L->rot, *scores = sinv + L->rot;
-    const float *w[3] = {L->w_q, L->w_k, L->w_v};
+    const void *w[3] = {L->w_q, L->w_k, L->w_v};
     const int64_t rows[3] = {2 * hq * d, hkv * d, hkv * d}, width = 2 * hq * d + 2 * hkv * d;
-    project(w, rows, 3, x, qg, H, T, width, L->nthreads);  /* qg[t] = [q | k | v] */
+    const int64_t es = L->kv_bf16 ? 2 : 4;
+    project(w, rows, 3, x, qg, H, T, width, L->nthreads, L->w_bf16);  /* qg[t]=[q | k | v] */
     for (int64_t t = 0; t < T; t++) {
         const int64_t pos = pos0 + t, kv_len = pos + 1;
         float *q = qg + t * width, *k = q + 2 * hq * d, *v = k + hkv * d;
@@ -614,10 +734,9 @@ static void attention(const struct fr_layer *L, const float *x, float *out, floa
         for (int64_t g = 0; g < hkv; g++) {
             rms_norm(k + g * d, L->k_norm, k + g * d, d, L->eps);
             rope(k + g * d, cosv, sinv, L->rot);
-            memcpy(L->keys + g * L->head_stride + pos * L->seq_stride, k + g * d,
-                   (size_t)d * sizeof(float));
-            memcpy(L->values + g * L->head_stride + pos * L->seq_stride, v + g * d,
-                   (size_t)d * sizeof(float));
+            const int64_t at = (g * L->head_stride + pos * L->seq_stride) * es;
+            put_row((char *)L->keys + at, k + g * d, d, (int)L->kv_bf16);
+            put_row((char *)L->values + at, v + g * d, d, (int)L->kv_bf16);
         }
         *L->length += 1;
         const int64_t spans = (kv_len + SPAN - 1) / SPAN, item = groups * (SPAN + d + 2);
@@ -645,7 +764,7 @@ static void attention(const struct fr_layer *L, const float *x, float *out, floa
                 oh[i] = oh[i] / total * sigmoid(q[h * 2 * d + d + i]);
         }
     }
-    matmul(L->w_o, att, out, H, hq * d, T, L->nthreads);
+    matmul(L->w_o, att, out, H, hq * d, T, L->nthreads, L->w_bf16);
 }
 
 /*
@@ -686,34 +805,53 @@ int64_t fr_layers(struct fr_layer *layers, int64_t from, int64_t count, float *h
     return count;
 }
 
-/* h[t] = embedding row tokens[t] */
-void fr_embed(const float *table, const int64_t *tokens, int64_t T, float *h, int64_t hidden)
+/* n floats from row `row` of a float32 or bf16 table */
+static void get_row(const void *table, int64_t row, int64_t n, float *out, int bf)
+{
+    if (!bf) {
+        memcpy(out, (const float *)table + row * n, (size_t)n * sizeof(float));
+        return;
+    }
+    for (int64_t i = 0; i < n; i++)
+        out[i] = bf16_float(((const uint16_t *)table)[row * n + i]);
+}
+
+/* h[t] = embedding row tokens[t] (bf: the weights are bf16) */
+void fr_embed(const void *table, const int64_t *tokens, int64_t T, float *h, int64_t hidden,
+              int64_t bf)
 {
     for (int64_t t = 0; t < T; t++)
-        memcpy(h + t * hidden, table + tokens[t] * hidden, (size_t)hidden * sizeof(float));
+        get_row(table, tokens[t], hidden, h + t * hidden, (int)bf);
 }
 
 /* normed[t] = norm(h[t]); logits[t] = W normed[t] (W NULL: no logits) */
-void fr_head(const float *h, const float *norm, float eps, const float *w, float *logits,
-             float *normed, int64_t hidden, int64_t vocab, int64_t T, int64_t nthreads)
+void fr_head(const float *h, const float *norm, float eps, const void *w, float *logits,
+             float *normed, int64_t hidden, int64_t vocab, int64_t T, int64_t nthreads,
+             int64_t bf)
 {
     for (int64_t t = 0; t < T; t++)
         rms_norm(h + t * hidden, norm, normed + t * hidden, hidden, eps);
     if (w)
-        matmul(w, normed, logits, vocab, hidden, T, (int)nthreads);
+        matmul(w, normed, logits, vocab, hidden, T, (int)nthreads, (int)bf);
 }
 
 /*
  * The MTP head's input: out[t] = fc([norm_e(embed(tokens[t])); norm_h(prev[t])]).
  * cat: scratch of T * 2H floats.
  */
-void fr_mtp_input(const float *table, const int64_t *tokens, const float *prev,
-                  const float *norm_e, const float *norm_h, float eps, const float *fc,
-                  float *out, float *cat, int64_t hidden, int64_t T, int64_t nthreads)
+void fr_mtp_input(const void *table, const int64_t *tokens, const float *prev,
+                  const float *norm_e, const float *norm_h, float eps, const void *fc,
+                  float *out, float *cat, int64_t hidden, int64_t T, int64_t nthreads,
+                  int64_t bf)
 {
     for (int64_t t = 0; t < T; t++) {
-        rms_norm(table + tokens[t] * hidden, norm_e, cat + t * 2 * hidden, hidden, eps);
-        rms_norm(prev + t * hidden, norm_h, cat + t * 2 * hidden + hidden, hidden, eps);
+        float *e = cat + t * 2 * hidden;
+        get_row(table, tokens[t], hidden, e, (int)bf);
+        rms_norm(e, norm_e, e, hidden, eps);
+        rms_norm(prev + t * hidden, norm_h, e + hidden, hidden, eps);
     }
-    matmul(fc, cat, out, hidden, 2 * hidden, T, (int)nthreads);
+    matmul(fc, cat, out, hidden, 2 * hidden, T, (int)nthreads, (int)bf);
 }
+
+/* The vector width this build's weight products use (cpu_step.py chose it by timing). */
+int64_t fr_lanes(void) { return LANES; }

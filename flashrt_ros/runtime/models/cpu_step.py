@@ -4,7 +4,9 @@ The CPU decode step: one token of a Qwen3-Next / Qwen3.5 hybrid through cpu_step
 The C file is compiled at first use with the system C compiler (`$CC`, else `cc`) for this
 CPU (-O3 -march=native -fopenmp) into ~/.cache/flashrt_ros/kernels (or
 $FLASHRT_KERNEL_CACHE), keyed by the source, the flags and the compiler, and loaded with
-ctypes. It links the same OpenMP runtime as torch (one soname), so both share one thread
+ctypes. It is built twice, with 8- and 16-float vectors in the weight products, and the one
+whose products run faster here is kept: wide vectors pay only on CPUs that run them at full
+rate, which a measurement tells and a feature flag does not. It links the same OpenMP runtime as torch (one soname), so both share one thread
 pool. Each layer is one call over pointers fixed at bind time: the model's own weight
 tensors (never copied) and the arena views (written in place, as every step writes them).
 
@@ -14,6 +16,12 @@ to the exact path (fastpath.py), which calls every module. A preemption that arr
 during a step is met between layers, as a module call would meet it. Results agree with
 transformers' to float32 rounding (summation order differs); greedy decoding equals
 transformers' generate() (test/runtime/test_cpu_step.py).
+
+Weights are float32 or bfloat16 (and the conv window and KV rows, the arena's dtype);
+activations and sums are float32. bf16 widens to float32 exactly, so a bf16 model's step is
+the float32 step over its weights' values, with the state rounded to bf16 where the arena
+stores bf16; it agrees with transformers' bf16 forward (which rounds every activation to
+bf16) to bf16 rounding, not float32's.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 
 import torch
 from torch.nn.modules import module as torch_module
@@ -41,6 +50,8 @@ CACHE_ENV = 'FLASHRT_KERNEL_CACHE'
 FLAG_SETS = (['-march=native'], ['-mcpu=native'], [])
 BASE_FLAGS = ['-O3', '-std=gnu11', '-fopenmp', '-fPIC', '-shared']
 MAX_TOKENS = 4  # tokens one call takes: a speculative verify of up to 3 drafts
+LANES = (8, 16)  # vector widths built and timed; the faster is kept
+DTYPES = (torch.float32, torch.bfloat16)  # of the weights, the conv window and KV rows
 SPAN = 64  # cache rows per attention work item (cpu_step.c SPAN)
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -52,7 +63,7 @@ class FrLayer(ctypes.Structure):
 
     _fields_ = [
         ('kind', _I), ('hidden', _I), ('inter', _I), ('nthreads', _I),
-        ('eps', _F), ('pad0', _F),
+        ('eps', _F), ('pad0', _F), ('w_bf16', _I), ('conv_bf16', _I), ('kv_bf16', _I),
         ('in_norm', _P), ('post_norm', _P), ('w_gate', _P), ('w_up', _P), ('w_down', _P),
         ('scratch', _P),
         ('w_proj', _P * 4), ('proj_rows', _I * 4), ('proj_perm', _P),
@@ -117,24 +128,68 @@ def _compile() -> Path:
             return target
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix='.so', dir=target.parent)
-            os.close(fd)
         except OSError as exc:
             raise Unavailable(f'cannot write the kernel cache {str(target.parent)!r}: {exc}; '
                               f'set {CACHE_ENV} to a writable directory') from exc
+        built = []
         try:
-            out = subprocess.run([compiler, *flags, str(SOURCE), '-o', tmp, '-lm'],
-                                 capture_output=True, text=True, timeout=300)
-            if out.returncode == 0:
-                os.replace(tmp, target)  # atomic: a concurrent compile publishes the same file
-                return target
-            errors.append(f'{" ".join(arch) or "no arch flag"}: {out.stderr.strip()[-300:]}')
-        except (OSError, subprocess.SubprocessError) as exc:
+            for lanes in LANES:
+                built.append(_build(compiler, flags + [f'-DLANES={lanes}'], target.parent))
+            os.replace(min(built, key=product_seconds), target)  # atomic: racers agree
+            return target
+        except Unavailable as exc:
             errors.append(f'{" ".join(arch) or "no arch flag"}: {exc}')
         finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            for path in built:
+                if path.exists():
+                    path.unlink()
     raise Unavailable(f'cpu_step.c does not compile with {compiler}: {"; ".join(errors)}')
+
+
+def _build(compiler: str, flags: list[str], directory: Path) -> Path:
+    """Compile cpu_step.c with `flags` into a new file in `directory`; return its path."""
+    try:
+        fd, tmp = tempfile.mkstemp(suffix='.so', dir=directory)
+        os.close(fd)
+    except OSError as exc:
+        raise Unavailable(f'cannot write the kernel cache {str(directory)!r}: {exc}; '
+                          f'set {CACHE_ENV} to a writable directory') from exc
+    try:
+        out = subprocess.run([compiler, *flags, str(SOURCE), '-o', tmp, '-lm'],
+                             capture_output=True, text=True, timeout=300)
+        if out.returncode == 0:
+            return Path(tmp)
+        message = out.stderr.strip()[-300:]
+    except (OSError, subprocess.SubprocessError) as exc:
+        message = str(exc)
+    os.unlink(tmp)
+    raise Unavailable(message)
+
+
+def product_seconds(path: Path) -> float:
+    """
+    Time a build's weight products: one thread, float32 and bf16, from L2 and from memory.
+
+    The sum of the fastest of several runs of each: what a decode step spends its time on.
+    """
+    lib = _load(path)
+    total = 0.0
+    g = torch.Generator().manual_seed(0)
+    for rows, k in ((64, 1024), (8192, 1024)):  # 256 KiB, 32 MiB of float32
+        x = torch.randn(k, generator=g)
+        y, normed, ones = torch.empty(rows), torch.empty(k), torch.ones(k)
+        for dtype in DTYPES:
+            w = torch.randn(rows, k, generator=g).to(dtype)
+            reps = max(1, (1 << 24) // w.nbytes)
+            best = float('inf')
+            for _ in range(5):
+                start = time.perf_counter()
+                for _ in range(reps):
+                    lib.fr_head(x.data_ptr(), ones.data_ptr(), 1e-6, w.data_ptr(), y.data_ptr(),
+                                normed.data_ptr(), k, rows, 1, 1, dtype == torch.bfloat16)
+                best = min(best, (time.perf_counter() - start) / reps)
+            total += best / w.nbytes
+    return total
 
 
 def _load(path: Path) -> ctypes.CDLL:
@@ -145,13 +200,14 @@ def _load(path: Path) -> ctypes.CDLL:
     ids = ctypes.POINTER(_I)
     signatures = {
         'fr_layers': [ctypes.POINTER(FrLayer), _I, _I, _P, _I, _I, _P, _I, _P],
-        'fr_embed': [_P, ids, _I, _P, _I],
-        'fr_head': [_P, _P, _F, _P, _P, _P, _I, _I, _I, _I],
-        'fr_mtp_input': [_P, ids, _P, _P, _P, _F, _P, _P, _P, _I, _I, _I],
+        'fr_embed': [_P, ids, _I, _P, _I, _I],
+        'fr_head': [_P, _P, _F, _P, _P, _P, _I, _I, _I, _I, _I],
+        'fr_mtp_input': [_P, ids, _P, _P, _P, _F, _P, _P, _P, _I, _I, _I, _I],
+        'fr_lanes': [],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, (_I if name == 'fr_layers' else None)
+        fn.argtypes, fn.restype = argtypes, (_I if name in ('fr_layers', 'fr_lanes') else None)
     return lib
 
 
@@ -164,8 +220,8 @@ def refusal(model, config, views: dict[str, torch.Tensor]) -> str | None:
     p = next(model.parameters())
     if p.device.type != 'cpu':
         return f'the model is on {p.device.type}, not the CPU'
-    if p.dtype != torch.float32:
-        return f'the CPU step runs float32 models; this one is {p.dtype}'
+    if p.dtype not in DTYPES:
+        return f'the CPU step runs float32 and bfloat16 models; this one is {p.dtype}'
     rope = getattr(config, 'rope_parameters', None) or {}
     if rope.get('rope_type', 'default') != 'default':
         return f"rope type {rope.get('rope_type')!r} is not the default"
@@ -175,7 +231,11 @@ def refusal(model, config, views: dict[str, torch.Tensor]) -> str | None:
         if not t.is_contiguous():
             return f'parameter {name} is not contiguous'
     for name, v in views.items():
-        if v.dtype == torch.float32 and v.stride()[-1] != 1:
+        if not v.dtype.is_floating_point or name == 'logits':
+            continue
+        if v.dtype not in DTYPES or ('recurrent' in name and v.dtype != torch.float32):
+            return f'state view {name} is {v.dtype}, which the CPU step does not keep'
+        if v.stride()[-1] != 1:
             return f'state view {name} is not contiguous in its last dimension'
     try:
         library()
@@ -200,11 +260,20 @@ class _Stack:
         self.keep.append(t)
         return t.data_ptr()
 
+    def floats(self, t: torch.Tensor | None) -> int | None:
+        """Pointer to a float32 copy of a small parameter (the tensor itself if float32)."""
+        if t is None:
+            return None
+        t = t.float().contiguous()
+        self.keep.append(t)
+        return t.data_ptr()
+
     def add(self, layer, state: tuple, rotary: tuple, rope_offset: int = 0) -> None:
         """Bind `layer` to its state views: (conv, recurrent) or (keys, values, length)."""
         mlp = layer.mlp
         s = FrLayer(hidden=mlp.gate_proj.weight.shape[1], inter=mlp.gate_proj.weight.shape[0],
-                    eps=float(layer.input_layernorm.eps))
+                    eps=float(layer.input_layernorm.eps),
+                    w_bf16=mlp.gate_proj.weight.dtype == torch.bfloat16)
         s.in_norm, s.post_norm = self.folded(layer.input_layernorm), self.folded(
             layer.post_attention_layernorm)
         s.w_gate, s.w_up, s.w_down = (_ptr(m.weight) for m in (mlp.gate_proj, mlp.up_proj,
@@ -228,12 +297,12 @@ class _Stack:
             projections = [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a]
         for j, p in enumerate(projections):
             s.w_proj[j], s.proj_rows[j] = p.weight.data_ptr(), p.weight.shape[0]
-        s.conv_w, s.conv_b = _ptr(m.conv1d.weight), _ptr(m.conv1d.bias)
+        s.conv_w, s.conv_b = self.floats(m.conv1d.weight), self.floats(m.conv1d.bias)
         s.conv_k = m.conv1d.weight.shape[-1]
         s.conv_state, s.recurrent = _ptr(conv_state), _ptr(recurrent)
-        neg_a = (-m.A_log.float().exp()).contiguous()
-        self.keep.append(neg_a)
-        s.neg_a, s.dt_bias, s.gate_norm = neg_a.data_ptr(), _ptr(m.dt_bias), _ptr(m.norm.weight)
+        s.conv_bf16 = conv_state.dtype == torch.bfloat16
+        s.neg_a = self.floats(-m.A_log.float().exp())
+        s.dt_bias, s.gate_norm = self.floats(m.dt_bias), self.floats(m.norm.weight)
         s.w_out = _ptr(m.out_proj.weight)
 
     def _attention(self, s, m, keys, values, length, rotary, rope_offset) -> None:
@@ -248,6 +317,7 @@ class _Stack:
         if keys.stride() != values.stride():
             raise ValueError('keys and values are laid out differently')
         s.keys, s.values = keys.data_ptr(), values.data_ptr()
+        s.kv_bf16 = keys.dtype == torch.bfloat16
         s.head_stride, s.seq_stride = keys.stride(1), keys.stride(2)  # [1, Hkv, L, D]
         s.length = length.data_ptr()
 
@@ -310,8 +380,9 @@ class _Stack:
         for s, save, state in zip(self.structs, self.saves, views):
             if s.kind == 0:
                 conv, recurrent = state
-                kept = save[used - 1]
-                conv.view(-1).copy_(kept[:conv.numel()])
+                kept = save[used - 1]  # the conv window's bytes, then the recurrent state
+                conv_bytes = kept.view(torch.uint8)[:conv.numel() * conv.element_size()]
+                conv.view(-1).copy_(conv_bytes.view(conv.dtype))
                 recurrent.view(-1).copy_(kept[conv.numel():])
             else:
                 state[2].sub_(tokens - used)
@@ -330,7 +401,7 @@ def _qwen3_next_order(m) -> torch.Tensor:
 
 def _onto_huge_pages(model) -> None:
     """
-    Move the model's float32 parameters into one buffer Linux may back with 2 MiB pages.
+    Move the model's parameters into one buffer Linux may back with 2 MiB pages.
 
     A decode step streams every weight once; on 4 KiB pages that is a TLB miss every 4 KiB.
     Each parameter is copied once into its own slice and points there (same values; the
@@ -338,14 +409,16 @@ def _onto_huge_pages(model) -> None:
     so the model, its fingerprint, its save_pretrained() and transformers' paths see
     separate tensors as before.
     """
-    params = [p for p in model.parameters() if p.dtype == torch.float32 and p.is_contiguous()]
-    sizes = [-(-p.numel() // 16) * 16 for p in params]  # 64-byte aligned slices
-    if 4 * sum(sizes) < HUGE_PAGE:
+    params = [p for p in model.parameters() if p.dtype in DTYPES and p.is_contiguous()]
+    sizes = [-(-p.numel() * p.element_size() // 64) * 64 for p in params]  # aligned slices
+    if sum(sizes) < HUGE_PAGE:
         return
-    memory = huge_page_memory(4 * sum(sizes)).view(torch.float32).numpy()
+    memory = huge_page_memory(sum(sizes)).numpy()
     at = 0
     for p, size in zip(params, sizes):
-        p.data = torch.from_numpy(memory[at:at + p.numel()]).view(p.shape).copy_(p.data)
+        nbytes = p.numel() * p.element_size()
+        p.data = torch.from_numpy(memory[at:at + nbytes]).view(p.dtype).view(p.shape).copy_(
+            p.data)
         at += size
 
 
@@ -365,6 +438,8 @@ class CpuDecode:
         self._hooks = _hook_dicts(model.modules())
         self.embed = model.model.embed_tokens.weight  # [V, H]
         self.head = model.lm_head.weight  # [V, H]
+        self.dtype = self.head.dtype
+        self.bf16 = int(self.dtype == torch.bfloat16)
         norm, rotary = model.model.norm, model.model.rotary_emb
         self.final_eps = float(norm.eps)
         self.keep: list[torch.Tensor] = []
@@ -404,10 +479,10 @@ class CpuDecode:
         embed, h, head, logits, hidden, width, vocab = self._args
         ids = self._ids
         ids[:n] = tokens
-        lib.fr_embed(embed, ids, n, h, width)
+        lib.fr_embed(embed, ids, n, h, width, self.bf16)
         self.stack.run(lib, h, n, pos0, save)
         lib.fr_head(h, self.final_norm, self.final_eps, head, logits, hidden, width, vocab, n,
-                    torch.get_num_threads())
+                    torch.get_num_threads(), self.bf16)
         return self._outputs[n]
 
     def step(self, token: int, kv_len: int) -> torch.Tensor:
@@ -472,11 +547,14 @@ class CpuHead:
         ids[:n] = tokens
         hidden = self.h.shape[1]
         nthreads = torch.get_num_threads()
+        # The head reads the main's hidden as the arena keeps it (in the model's dtype),
+        # whichever path handed it over, so a verify and single steps give the same bits.
+        prev = prev.to(main.dtype).float().contiguous()
         lib.fr_mtp_input(main.embed.data_ptr(), ids, prev.data_ptr(), self.norm_e, self.norm_h,
                          self.eps, self.fc.data_ptr(), self.h.data_ptr(), self.cat.data_ptr(),
-                         hidden, n, nthreads)
+                         hidden, n, nthreads, main.bf16)
         self.stack.run(lib, self.h.data_ptr(), n, row - 1, save=False)
         lib.fr_head(self.h.data_ptr(), self.final_norm, self.final_eps,
                     main.head.data_ptr() if logits else None, self.logits.data_ptr(),
-                    self.hidden.data_ptr(), hidden, main.head.shape[0], n, nthreads)
+                    self.hidden.data_ptr(), hidden, main.head.shape[0], n, nthreads, main.bf16)
         return (self.logits[:n] if logits else None), self.hidden[:n]
