@@ -273,6 +273,8 @@ def _bf16(make_runtime):
 
 @pytest.mark.parametrize('k', [7, 40, 1037])
 def test_bf16_products_are_the_float32_products_of_the_widened_weights(k):
+    # The same products summed in another order (a bf16 pair widens into an even and an odd
+    # vector): float32 rounding apart, and k = 7 (the scalar tail alone) bit for bit.
     lib = cpu_step.library()
     g = torch.Generator().manual_seed(k)
     rows, T = 37, 4
@@ -284,7 +286,8 @@ def test_bf16_products_are_the_float32_products_of_the_widened_weights(k):
         lib.fr_head(x.data_ptr(), ones.data_ptr(), 1e-6, weights.data_ptr(), y.data_ptr(),
                     normed.data_ptr(), k, rows, T, 1, bf)
         out[bf] = y
-    assert torch.equal(out[0], out[1])
+    assert torch.allclose(out[1], out[0], rtol=1e-5, atol=1e-5)
+    assert k != 7 or torch.equal(out[1], out[0])
 
 
 @pytest.mark.parametrize('model,turns', [('builtin:tiny-hybrid', False), ('default', True)])

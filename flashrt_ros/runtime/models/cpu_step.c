@@ -223,6 +223,17 @@ static inline __attribute__((always_inline)) void dots(const void *const *a, con
         for (int t = 0; t < T; t++)
             s0[r][t] = s1[r][t] = (vw){0};
     int64_t j = 0;
+    if (bf)  /* x is split_pairs()'s copy: a bf16 pair widens with one AND and one shift */
+        for (; j + 2 * LANES <= k; j += 2 * LANES)
+            for (int r = 0; r < R; r++) {
+                vwu pair;
+                memcpy(&pair, (const uint16_t *)a[r] + j, sizeof pair);
+                const vw even = (vw)(pair << 16), odd = (vw)(pair & 0xffff0000u);
+                for (int t = 0; t < T; t++) {
+                    s0[r][t] += even * loadw(x + t * k, j, 0);
+                    s1[r][t] += odd * loadw(x + t * k, j + LANES, 0);
+                }
+            }
     for (; j + 2 * LANES <= k; j += 2 * LANES)
         for (int r = 0; r < R; r++) {
             const vw a0 = loadw(a[r], j, bf), a1 = loadw(a[r], j + LANES, bf);
@@ -231,7 +242,7 @@ static inline __attribute__((always_inline)) void dots(const void *const *a, con
                 s1[r][t] += a1 * loadw(x + t * k, j + LANES, 0);
             }
         }
-    if (j + LANES <= k) {
+    if (!bf && j + LANES <= k) {
         for (int r = 0; r < R; r++) {
             const vw a0 = loadw(a[r], j, bf);
             for (int t = 0; t < T; t++)
@@ -293,9 +304,31 @@ static inline __attribute__((always_inline)) void project_rows(
     }
 }
 
+/*
+ * x[0, k) reordered for bf16 rows: in each block of 2 LANES, the even elements then the odd
+ * ones, as a row's bf16 pairs widen (dots()); the tail past the last block stays in place.
+ */
+static void split_pairs(const float *x, float *out, int64_t k)
+{
+    int64_t j = 0;
+    for (; j + 2 * LANES <= k; j += 2 * LANES)
+        for (int i = 0; i < LANES; i++) {
+            out[j + i] = x[j + 2 * i];
+            out[j + LANES + i] = x[j + 2 * i + 1];
+        }
+    for (; j < k; j++)
+        out[j] = x[j];
+}
+
 static void project(const void *const *w, const int64_t *rows, int count, const float *x,
                     float *y, int64_t k, int64_t T, int64_t width, int nthreads, int bf)
 {
+    float split[bf ? T * k : 1];
+    if (bf) {
+        for (int64_t t = 0; t < T; t++)
+            split_pairs(x + t * k, split + t * k, k);
+        x = split;
+    }
     int64_t n = 0;
     for (int m = 0; m < count; m++)
         n += rows[m];
