@@ -1,6 +1,9 @@
 """The compiled CPU step: transformers' tokens, exact multi-token calls, and its fallbacks."""
 
+import os
+from pathlib import Path
 import shutil
+import subprocess
 import threading
 
 from flashrt_ros.runtime import preemption
@@ -328,3 +331,37 @@ def test_bf16_restore_and_rollback_continue_exactly(make_runtime):
 def test_bf16_compiled_verify_is_plain_greedy_at_every_commit(make_runtime, model):
     speculation.test_compiled_batched_rounds_are_plain_greedy_at_every_commit(
         _bf16(make_runtime), model, 'mixed')
+
+
+# ---- aarch64 (Jetson Thor's CPU): cross-compiled, run under qemu-user ------------------
+CHECK = Path(__file__).with_name('cpu_step_check.c')
+CROSS, QEMU, SYSROOT = 'aarch64-linux-gnu-gcc', 'qemu-aarch64', Path('/usr/aarch64-linux-gnu')
+ARM_FLAGS = {'armv8-a': ['-march=armv8-a'],  # NEON only: any 64-bit Arm
+             'armv9-a+sve2+bf16': ['-march=armv9-a+sve2+bf16']}  # Neoverse V2/V3's features
+
+
+def _check_outputs(command, dtype):
+    out = subprocess.run(command + [dtype], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr  # also: a 4-token call equals 4 one-token calls
+    return torch.tensor([float(v) for v in out.stdout.split()])
+
+
+@pytest.mark.skipif(not (shutil.which(CROSS) and shutil.which(QEMU) and SYSROOT.is_dir()),
+                    reason=f'needs {CROSS} and {QEMU} (apt-get install gcc-aarch64-linux-gnu '
+                           'qemu-user)')
+@pytest.mark.parametrize('arch', ARM_FLAGS)
+@pytest.mark.parametrize('lanes', cpu_step.LANES)
+def test_the_aarch64_build_agrees_with_this_one(tmp_path, arch, lanes):
+    models = str(cpu_step.SOURCE.parent)
+    flags = ['-O3', '-std=gnu11', '-fopenmp', f'-DLANES={lanes}', '-I', models, str(CHECK),
+             '-lm']
+    native, arm = tmp_path / 'native', tmp_path / 'arm'
+    subprocess.run([os.environ.get('CC') or 'cc', '-march=native', *flags, '-o', str(native)],
+                   check=True, timeout=300)
+    subprocess.run([CROSS, *ARM_FLAGS[arch], *flags, '-o', str(arm)], check=True, timeout=300)
+    for dtype in ('f32', 'bf16'):
+        here = _check_outputs([str(native)], dtype)
+        there = _check_outputs([QEMU, '-cpu', 'max', '-L', str(SYSROOT), str(arm)], dtype)
+        assert here.numel() == there.numel() > 0
+        # float32 rounding apart: the compilers contract multiply-adds differently
+        assert torch.allclose(here, there, rtol=1e-5, atol=1e-5), (here - there).abs().max()
