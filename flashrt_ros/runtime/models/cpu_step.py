@@ -6,9 +6,10 @@ CPU (-O3 -march=native -fopenmp) into ~/.cache/flashrt_ros/kernels (or
 $FLASHRT_KERNEL_CACHE), keyed by the source, the flags and the compiler, and loaded with
 ctypes. It is built twice, with 8- and 16-float vectors in the weight products, and the one
 whose products run faster here is kept: wide vectors pay only on CPUs that run them at full
-rate, which a measurement tells and a feature flag does not. It links the same OpenMP runtime as torch (one soname), so both share one thread
-pool. Each layer is one call over pointers fixed at bind time: the model's own weight
-tensors (never copied) and the arena views (written in place, as every step writes them).
+rate, which a measurement tells and a feature flag does not. It links the same OpenMP
+runtime as torch (one soname), so both share one thread pool. Each layer is one call over
+pointers fixed at bind time: the model's own weight tensors (never copied) and the arena
+views (written in place, as every step writes them).
 
 It runs a step only while nothing observes the model: a module with a forward hook (a
 probe, a test's fault injection) or a global pre-hook (a waiting preemption) sends the step
