@@ -123,8 +123,14 @@ class Engine:
         Write consumed ids (a sequence) into the arena's history from `position` on.
 
         on_device: the same ids as a tensor on the arena's device, copied from there (a
-        copy from host memory would wait for the device).
+        copy from host memory would wait for the device). A history shorter than the
+        positions (a window of the last ones: speech) keeps step t at t mod its length.
         """
+        length = self._history.shape[0]
+        if position + len(ids) > length:
+            for i, token in enumerate(ids):
+                self._history[(position + i) % length] = int(token)
+            return
         end = position + len(ids)
         if on_device is not None:
             self._history[position:end].copy_(on_device)

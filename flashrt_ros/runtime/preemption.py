@@ -53,7 +53,7 @@ def end_turn(gen, torn: bool) -> bool:
 
 def recover_torn(rt) -> None:
     """Replace a half-updated state: the newest committed boundary, else a reset."""
-    rt.ring.prune(rt.arena.rows_shared)
+    rt.ring.prune(rt.arena)
     if rt.ring and rt.ring.depth > 0:
         rt.codec.apply(rt.ring[-1])
     else:

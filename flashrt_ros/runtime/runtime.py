@@ -184,7 +184,7 @@ class Runtime:
     def _commit(self) -> None:
         """Mark the live state as a committed boundary (push its head on the rollback ring)."""
         if self.ring.depth > 0:
-            self.ring.prune(self.arena.rows_shared)
+            self.ring.prune(self.arena)
             self.ring.commit(self.codec.boundary(self.ring.head_only))
 
     # ---- lifecycle --------------------------------------------------------------------
@@ -462,7 +462,7 @@ class Runtime:
         kinds = None if mode == 'full' else set(self.arena.kinds) - KV_ONLY_SKIPS
         entry = self.codec.restore(cap, meta, kinds, self.ring.depth > 0, self.ring.head_only)
         if entry is not None:
-            self.ring.prune(self.arena.rows_shared)  # boundaries of a branch left behind
+            self.ring.prune(self.arena)  # boundaries of a branch left behind
             self.ring.push(entry)
         if self._cuda:
             torch.cuda.synchronize(self.device)  # the info's latency covers the copy itself
@@ -578,10 +578,11 @@ class Runtime:
         """
         self._check_open()
         newer = boundaries - 1 if from_newest else boundaries  # ring entries past the target
-        self.ring.prune(self.arena.rows_shared)  # none, unless the lineage was forgotten
+        self.ring.prune(self.arena)  # none, unless the lineage was forgotten
         self._check_rollback(newer)
-        target = self.ring[-1 - newer]
-        self.codec.apply(target)
+        index = len(self.ring) - 1 - newer
+        target = self.ring[index]
+        self.codec.apply(target, path=self.ring.path(index, self.arena.descends))
         self.ring.retire_newest(newer)
         if self._cuda:
             torch.cuda.synchronize(self.device)  # the info's latency covers the copy

@@ -246,15 +246,6 @@ def test_a_frame_failing_in_the_model_puts_the_last_frame_back(stt, monkeypatch)
     assert len(rt.feed_audio(audio[5 * FRAME:7 * FRAME])) == 2
 
 
-def test_full_utterance_is_refused(make_runtime):
-    rt = make_runtime(STT, max_seq_len=8)
-    rt.feed_audio(np.zeros(6 * FRAME, dtype=np.float32))  # BOS + 6 frames: position 7
-    digest = rt.state_digest()
-    with pytest.raises(InvalidRequestError, match='utterance is full'):
-        rt.feed_audio(np.zeros(2 * FRAME, dtype=np.float32))
-    assert rt.state_digest() == digest
-
-
 def test_local_checkpoint_folder_gives_the_same_transcript(make_runtime, tmp_path):
     path = save_speech_builtin(STT, tmp_path / 'stt')
     audio = _audio(0.8, seed=10)

@@ -75,6 +75,15 @@ class StateAdapter(ABC):
     def fingerprint(self) -> str:
         """Hex digest identifying weights, config and dtype (not the state layout)."""
 
+    def window_writes(self) -> dict[str, tuple[int, int]]:
+        """
+        Return the rows of each window tensor (a spec with window_dim) the next step writes.
+
+        {name: (first row, rows)}, counted along the window and wrapping; a rollback boundary
+        keeps only those (state/ring.py), so a write outside them would not be undone.
+        """
+        return {}
+
     def check_device(self, device: torch.device) -> None:
         """Raise ConfigError unless the adapter's modules hold every tensor on `device`."""
         found = {t.device for m in vars(self).values() if isinstance(m, torch.nn.Module)

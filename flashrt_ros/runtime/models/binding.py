@@ -26,6 +26,7 @@ import functools
 import hashlib
 import json
 import re
+import sys
 from typing import Any, Callable
 
 import torch
@@ -90,6 +91,47 @@ def _windowed_layer_class():
     return WindowedStaticLayer
 
 
+@functools.lru_cache(maxsize=None)
+def _ring_window_class():
+    """
+    Build (once) a sliding-window layer that keeps its rows in a ring: a step writes its own.
+
+    transformers' layer, once full, rolls the whole window by a row per token, so every row
+    of the state changes at every step. Here step t's row lives at t mod window and attention
+    gets the rows oldest first, the tensors transformers' layer hands it, so the outputs are
+    the same bits; a step changes only its own rows (what a delta rollback boundary keeps:
+    state/ring.py) and copies the window once instead of twice.
+    """
+    cu = _cache_classes()
+
+    class RingWindowLayer(cu.StaticSlidingWindowLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            done, n, window = self.cumulative_length_int, key_states.shape[-2], self.max_cache_len
+            self.cumulative_length_int += n
+            if done + n <= window:  # not full yet: rows sit in order, as transformers keeps them
+                rows = torch.arange(done, done + n, device=self.device)
+                self.keys.index_copy_(2, rows, key_states)
+                self.values.index_copy_(2, rows, value_states)
+                self.cumulative_length.add_(n)
+                return self.keys, self.values
+            if done >= window:  # full: every row but the oldest, then the new ones
+                head = done % window
+                keys = torch.cat((self.keys[:, :, head + 1:], self.keys[:, :, :head], key_states),
+                                 dim=-2)
+                values = torch.cat((self.values[:, :, head + 1:], self.values[:, :, :head],
+                                    value_states), dim=-2)
+            else:  # filling up in this step
+                keys = torch.cat((self.keys[:, :, :done], key_states), dim=-2)
+                values = torch.cat((self.values[:, :, :done], value_states), dim=-2)
+            first = max(done, done + n - window)  # rows older than the window are not kept
+            rows = torch.arange(first, done + n, device=self.device) % window
+            self.keys.index_copy_(2, rows, key_states[:, :, first - done:])
+            self.values.index_copy_(2, rows, value_states[:, :, first - done:])
+            return keys, values
+
+    return RingWindowLayer
+
+
 class CacheBinding:
     """
     A transformers StaticCache whose every state tensor is a view into the arena.
@@ -100,10 +142,19 @@ class CacheBinding:
     on a throwaway cache, to learn each state tensor's shape and dtype.
     """
 
-    def __init__(self, config, max_len: int, family: str, probe: Callable[[Any], None]):
+    def __init__(self, config, max_len: int, family: str, probe: Callable[[Any], None],
+                 ring_windows: bool = False):
+        """
+        Build the cache of `config` for `max_len` positions.
+
+        ring_windows: sliding-window layers keep their rows in a ring (_ring_window_class):
+        their state is declared as windows (StateSpec.window_dim) and their counters have no
+        bound, so a model with only such layers steps for ever in bounded state.
+        """
         cu = _cache_classes()
         self.family = family
         self.max_len = max_len
+        self.ring_windows = ring_windows
         # The real cache: layers are created now, their tensors only when bind() hands views in.
         self.cache = cu.StaticCache(config=config, max_cache_len=max_len)
         self._check_layers()
@@ -117,6 +168,9 @@ class CacheBinding:
                         if isinstance(layer, cu.LinearAttentionLayer)]
         self._sliding = [(str(i), layer) for i, layer in enumerate(self.cache.layers)
                          if isinstance(layer, cu.StaticSlidingWindowLayer)]
+        if ring_windows:
+            for _, layer in self._sliding:
+                layer.__class__ = _ring_window_class()
         self.specs = self._probe_specs(config, probe)
         self._imports: dict[int, tuple] = {}  # id(meta) -> (meta, plan): see import_meta
 
@@ -131,6 +185,21 @@ class CacheBinding:
                     f'model type {self.family!r} uses cache layer {type(layer).__name__} '
                     f'(layer {i}), which flashrt_ros cannot bind to its state arena yet'
                 )
+
+    @property
+    def only_windows(self) -> bool:
+        """Whether every layer keeps a bounded window (none grows with the positions)."""
+        return len(self._sliding) == len(self.cache.layers)
+
+    def window_writes(self, steps: int) -> dict[str, tuple[int, int]]:
+        """Return the ring rows the next `steps` positions write (StateAdapter.window_writes)."""
+        writes = {}
+        for key, layer in self._sliding:
+            window = layer.max_cache_len
+            n = min(steps, window)
+            first = (layer.cumulative_length_int + steps - n, n)
+            writes[f'L{key}.key'] = writes[f'L{key}.value'] = first
+        return writes
 
     @property
     def has_sliding_layers(self) -> bool:
@@ -150,11 +219,15 @@ class CacheBinding:
                     raise ConfigError(
                         f'layer {i} of {self.family!r} kept no KV in a probe forward'
                     )
-                # Sliding-window buffers roll: their used part is not a prefix; copy whole.
-                seq_dim = None if isinstance(real, cu.StaticSlidingWindowLayer) else 2
+                # Sliding-window buffers roll: their used part is not a prefix; copy whole
+                # (or, in a ring, as a window).
+                sliding = isinstance(real, cu.StaticSlidingWindowLayer)
+                seq_dim = None if sliding else 2
+                window_dim = 2 if sliding and self.ring_windows else None
                 for part, t in (('key', layer.keys), ('value', layer.values)):
                     shape = (t.shape[0], t.shape[1], real.max_cache_len, t.shape[3])  # [B,H,L,D]
-                    specs.append(StateSpec(f'L{i}.{part}', 'kv', shape, t.dtype, seq_dim))
+                    specs.append(StateSpec(f'L{i}.{part}', 'kv', shape, t.dtype, seq_dim,
+                                           window_dim))
                 specs.append(StateSpec(f'L{i}.length', 'position', (), torch.int64))
             if isinstance(layer, cu.LinearAttentionLayer):
                 for s in range(layer.number_of_states):
@@ -251,8 +324,9 @@ class CacheBinding:
             plan.append((layer, dict(enumerate(flags)), None))
         for key, layer in self._sliding:
             length = layers[key].get('cumulative_length_int')
-            if type(length) is not int or not 0 <= length <= self.max_len:
-                raise ValueError(f'layer {key} needs a length in [0, {self.max_len}]')
+            bound = sys.maxsize if self.ring_windows else self.max_len
+            if type(length) is not int or not 0 <= length <= bound:
+                raise ValueError(f'layer {key} needs a length in [0, {bound}]')
             plan.append((layer, None, length))
         if len(self._imports) >= 64:
             self._imports.clear()

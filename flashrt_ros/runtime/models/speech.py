@@ -12,7 +12,14 @@ and yields the next text token. All the state between frames lives in the arena:
   * ``codec.L{i}.*``    the encoder transformer's sliding-window KV (CacheBinding);
   * ``dec.L{i}.*``      the decoder's KV (CacheBinding; sliding-window for Kyutai STT);
   * ``audio.partial``   the samples of a frame not yet complete;
-  * ``audio.history``   the resampler's last input samples (audio sent at another rate).
+  * ``audio.history``   the resampler's last input samples (audio sent at another rate);
+  * ``tokens``          the text tokens fed, the last decoder window of them (the engine's
+                        history; the decoder itself reads only the pending one).
+
+The sliding windows keep their rows in a ring (CacheBinding's ring_windows), so a frame
+writes a few rows of each (window_writes), a rollback boundary keeps just those, and with
+only sliding-window layers (Kyutai STT's and Mimi's) an utterance has no length bound: the
+positions count on, the state stays the same size.
 
 Non-tensor state in the meta: each conv's first-call flag (a replicate-padded conv pads
 its first call with its first sample, later calls with the cached context), the samples in
@@ -127,11 +134,20 @@ class KyutaiSTTAdapter(StateAdapter):
         seanet = self.codec.encoder.encoder_seanet
         convs = [seanet.get_submodule(n) for n in seanet._conv1d_layer_names]
         self.padding = ArenaPaddingCache(convs + [self.codec.encoder.downsample])
-        # The encoder transformer steps twice per frame; its counter must fit the bound the
-        # binding checks restored meta against, however long the utterance.
-        codec_steps = (max_seq_len + 1) * int(codec_cfg.latent_stride)
-        self.codec_binding = CacheBinding(codec_cfg, codec_steps, 'mimi', self._probe_codec)
-        self.dec_binding = CacheBinding(cfg, max_seq_len, MODEL_TYPE, self._probe_decoder)
+        # The encoder transformer steps latent_stride times per frame. Each cache is at
+        # least the model's window long, whatever max_seq_len.
+        self.codec_steps = int(codec_cfg.latent_stride)
+        self.codec_binding = CacheBinding(
+            codec_cfg, max((max_seq_len + 1) * self.codec_steps, codec_cfg.sliding_window or 0),
+            'mimi', self._probe_codec, ring_windows=True)
+        dec_len = max(max_seq_len, cfg.sliding_window or 0)
+        self.dec_binding = CacheBinding(cfg, dec_len, MODEL_TYPE, self._probe_decoder,
+                                        ring_windows=True)
+        # Decoder steps an utterance may run: None (no bound) when every cache is a window.
+        bounded = not (self.codec_binding.only_windows and self.dec_binding.only_windows)
+        self.max_steps = dec_len if bounded else None
+        windows = [s.shape[2] for s in self.dec_binding.specs if s.window_dim is not None]
+        self.text_window = None if bounded else max(windows)
         self.samples = 0  # samples in the partial frame (meta)
         self.partial: torch.Tensor | None = None  # [frame_size] arena view
         self.resampler = StreamingResampler(self.spec.sample_rate)
@@ -158,7 +174,24 @@ class KyutaiSTTAdapter(StateAdapter):
                                torch.float32))
         specs.append(StateSpec('audio.history', 'audio', (self.resampler.size,),
                                torch.float32))
+        if self.text_window is None:  # as long as the utterance may be
+            specs.append(StateSpec('tokens', 'tokens', (self.max_steps,), torch.int32,
+                                   seq_dim=0))
+        else:
+            specs.append(StateSpec('tokens', 'tokens', (self.text_window,), torch.int32,
+                                   window_dim=0))
         return specs
+
+    def window_writes(self) -> dict[str, tuple[int, int]]:
+        """Return the window rows the next frame writes (the first frame also runs BOS)."""
+        position = self.dec_binding.cache.get_seq_length()
+        steps = 1 if position else 2
+        writes = {'codec.' + k: v
+                  for k, v in self.codec_binding.window_writes(self.codec_steps).items()}
+        writes.update(('dec.' + k, v) for k, v in self.dec_binding.window_writes(steps).items())
+        if self.text_window is not None:
+            writes['tokens'] = (position, steps)
+        return writes
 
     def bind(self, views: dict[str, torch.Tensor]) -> None:
         self.padding.views = [views[f'pad{i}'] for i in range(len(self.padding.sizes))]
@@ -241,7 +274,7 @@ class KyutaiSTTAdapter(StateAdapter):
 
 
 def _renamed(spec: StateSpec, prefix: str) -> StateSpec:
-    return StateSpec(prefix + spec.name, spec.kind, spec.shape, spec.dtype, spec.seq_dim)
+    return dataclasses.replace(spec, name=prefix + spec.name)
 
 
 # ---- loading ------------------------------------------------------------------------------
@@ -297,6 +330,7 @@ def calibrate_codebooks(codec, generator: torch.Generator) -> None:
             book.cluster_usage.fill_(1.0)
             book._embed = None  # the embed property caches embed_sum / usage
             residual = residual - book.embed[book.quantize(residual)]
+            book._embed = None  # not a buffer: a cached one would stay behind on a .to(device)
 
 
 def load_speech(model_id: str, device: torch.device, dtype: torch.dtype,

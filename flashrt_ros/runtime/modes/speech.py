@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 import math
+import sys
 import time
 
 import numpy as np
@@ -118,8 +119,8 @@ class SpeechDriver(Driver):
         return isinstance(adapter, KyutaiSTTAdapter)
 
     def state_specs(self) -> list[StateSpec]:
-        """Return the engine's state: the last text logits and the token history."""
-        return Engine.state_specs(self.adapter.vocab_size, self.rt.config.max_seq_len)
+        """Return the engine's state: the last text logits (the adapter keeps the tokens)."""
+        return [StateSpec('logits', 'logits', (self.adapter.vocab_size,), torch.float32)]
 
     def bind(self, views: dict) -> Engine:
         # Eager: a frame's codec and decoder steps branch on host state.
@@ -182,11 +183,11 @@ class SpeechDriver(Driver):
         adapter.resampler.check_stream(rate)
         steps = self._frames_needed(adapter.silence_left
                                     + adapter.resampler.count(audio.numel(), rate))
-        if cursor.position + steps > rt.config.max_seq_len:
+        limit = adapter.max_steps  # None: every cache is a window, no bound
+        if limit is not None and cursor.position + steps > limit:
             raise InvalidRequestError(
                 f'utterance is full: position {cursor.position} + {steps} frames > max_seq_len '
-                f'{rt.config.max_seq_len}; reset() or restore a capsule first, or raise '
-                'max_seq_len')
+                f'{limit}; reset() or restore a capsule first, or raise max_seq_len')
         events = FedAudio()
         if adapter.silence_left:  # the utterance's silence prefix goes first
             events = self._feed_frames(torch.zeros(adapter.silence_left, device=rt.device),
@@ -271,12 +272,13 @@ class SpeechDriver(Driver):
         try:
             events, tail_cut = FedAudio(), False
             resampler = adapter.resampler
+            limit = adapter.max_steps or sys.maxsize
             if resampler.rate and resampler.rate != spec.sample_rate:
                 # The resampler's lookahead: silence at the input rate brings out its last
                 # samples.
                 tail = torch.zeros(2 * resampler.size, device=rt.device)
                 if rt.cursor.position + self._frames_needed(
-                        resampler.count(tail.numel(), resampler.rate)) < rt.config.max_seq_len:
+                        resampler.count(tail.numel(), resampler.rate)) < limit:
                     tail_events = self._feed_frames(tail, resampler.rate, False, should_stop)
                     events += tail_events
                     tail_cut = tail_events.cut
@@ -284,7 +286,7 @@ class SpeechDriver(Driver):
             silence = (frames * spec.frame_size
                        + (spec.frame_size - adapter.samples) % spec.frame_size)
             silence = min(silence,
-                          (rt.config.max_seq_len - rt.cursor.position - 1) * spec.frame_size)
+                          (limit - rt.cursor.position - 1) * spec.frame_size)
             silence = torch.zeros(max(silence, 0), device=rt.device)
             rest = self._feed_frames(silence, None, False, should_stop)
             events += rest

@@ -29,9 +29,11 @@ Invariants kept by everyone that writes the arena, along the row block:
     state) and zeroes the few rows written since, whatever the length of the context.
     The rollback ring's commit boundaries rely on the same: they hold the head alone
     (pack(head_only=True)) and take their rows from the live arena (state/ring.py).
-A sequence tensor of another length than the row block (a rolling window of recent steps,
-whose old rows are rewritten, e.g. a sliding-window KV) lives in the head and is always
-copied whole.
+A sequence tensor of another length than the row block lives in the head and is always
+copied whole. A *window* (a spec with window_dim: the last rows of a stream, row t at t mod
+the window's length, e.g. a sliding-window KV) lives at the end of the head, after the
+*rest*: a step writes a few of its rows, so a rollback boundary can keep the rest and just
+the rows the next step will overwrite (pack_delta, state/ring.py).
 """
 
 from __future__ import annotations
@@ -95,6 +97,9 @@ class StateSpec:
     # Axis indexed by token position: only rows < position are live, rows >= position are
     # zero, and a step writes rows >= position only (append-only; see the module docstring).
     seq_dim: int | None = None
+    # Axis of a window: a ring of the stream's last rows, of which a step writes only those
+    # its adapter reports (StateAdapter.window_writes).
+    window_dim: int | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,7 @@ class ManifestEntry:
     nbytes: int  # bytes of its elements
     seq_dim: int | None = None
     strides: tuple[int, ...] | None = None  # in elements; None: contiguous (a head tensor)
+    window_dim: int | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -124,7 +130,7 @@ class ManifestEntry:
             'nbytes': self.nbytes,
             'seq_dim': self.seq_dim,
             'strides': None if self.strides is None else list(self.strides),
-        }
+        } | ({} if self.window_dim is None else {'window_dim': self.window_dim})
 
     @classmethod
     def from_json(cls, d: dict) -> 'ManifestEntry':
@@ -137,6 +143,7 @@ class ManifestEntry:
             int(d['nbytes']),
             d['seq_dim'],
             None if d['strides'] is None else tuple(d['strides']),
+            d.get('window_dim'),
         )
 
 
@@ -237,13 +244,18 @@ class StateArena:
             return s.seq_dim is not None and s.shape[s.seq_dim] == self.rows > 0
 
         entries, offset = {}, 0
-        for s in specs:
-            if not in_rows(s):
-                nbytes = math.prod(s.shape) * s.dtype.itemsize
-                entries[s.name] = ManifestEntry(s.name, s.kind, dtype_name(s.dtype),
-                                                tuple(s.shape), offset, nbytes, s.seq_dim)
-                offset = _align(offset + nbytes, align)
+        self.rest_nbytes = None  # the head before its windows (pack_delta copies it whole)
+        head = [s for s in specs if not in_rows(s)]
+        for s in sorted(head, key=lambda s: s.window_dim is not None):  # windows last
+            if s.window_dim is not None and self.rest_nbytes is None:
+                self.rest_nbytes = offset
+            nbytes = math.prod(s.shape) * s.dtype.itemsize
+            entries[s.name] = ManifestEntry(s.name, s.kind, dtype_name(s.dtype), tuple(s.shape),
+                                            offset, nbytes, s.seq_dim, None, s.window_dim)
+            offset = _align(offset + nbytes, align)
         self.head_nbytes = offset
+        if self.rest_nbytes is None:
+            self.rest_nbytes = offset
         slots, row = [], 0
         for s in specs:
             if in_rows(s):
@@ -267,6 +279,7 @@ class StateArena:
         self.views: dict[str, torch.Tensor] = {e.name: self.view(e) for e in self.manifest}
         self._by_name = {e.name: e for e in self.manifest}
         self.seq_kinds = {e.kind for e in self.manifest if e.strides is not None}  # row block
+        self.windows = tuple(e for e in self.manifest if e.window_dim is not None)
         self.epoch = next(_EPOCHS)  # changes whenever a row before the live position is rewritten
         self._parents: dict[int, tuple[int, int]] = {}  # epoch -> (parent epoch, rows shared)
         # Their keys, oldest first: dropping a dict's first key by iterating would scan the
@@ -320,11 +333,24 @@ class StateArena:
         (a restore of a capsule taken in `parent` at position `rows`).
         """
         self.epoch = next(_EPOCHS)
-        if parent is not None and rows > 0:
+        if parent is not None:
             if len(self._links) >= LINEAGE_LINKS:
                 del self._parents[self._links.popleft()]
             self._parents[self.epoch] = (parent, rows)
             self._links.append(self.epoch)
+
+    def _shared(self, epoch: int | None) -> int | None:
+        """Return the rows shared with epoch `epoch` (see rows_shared); None: no ancestor."""
+        e, shared = self.epoch, sys.maxsize
+        for _ in range(LINEAGE_WALK):
+            if e == epoch:
+                return shared
+            link = self._parents.get(e)
+            if link is None:
+                return None
+            e, rows = link
+            shared = min(shared, rows)
+        return None
 
     def rows_shared(self, epoch: int | None) -> int:
         """
@@ -333,16 +359,19 @@ class StateArena:
         Any state taken in `epoch` agrees with the live one on that many rows (sys.maxsize
         within the live epoch, 0 when the lineage is unknown).
         """
-        e, shared = self.epoch, sys.maxsize
-        for _ in range(LINEAGE_WALK):
-            if e == epoch:
-                return shared
-            link = self._parents.get(e)
-            if link is None:
-                return 0
-            e, rows = link
-            shared = min(shared, rows)
-        return 0
+        shared = self._shared(epoch)
+        return 0 if shared is None else shared
+
+    def descends(self, epoch: int | None, position: int) -> bool:
+        """
+        Whether the live state came from the state of `epoch` at `position` by steps alone.
+
+        Within an epoch the state only steps forward; a restore links the epoch it begins to
+        the capsule's (epoch, position). So a window holds that state's rows but for the
+        ones written by the steps since (what a delta boundary keeps: state/ring.py).
+        """
+        shared = self._shared(epoch)
+        return shared is not None and shared >= position
 
     def digest(self, hasher: 'hashlib._Hash') -> None:
         """Feed every arena byte to hasher (copies to host first when on an accelerator)."""
@@ -385,6 +414,87 @@ class StateArena:
                   else self.storage[:nbytes])
         return blob, packing
 
+    # ---- delta boundaries: the rest of the head and a few window rows --------------------
+
+    def window_rows(self, writes: dict[str, tuple[int, int]]) -> tuple[tuple, int]:
+        """
+        Lay out the window rows `writes` names ({name: (first row, rows)}, wrapping) in a blob.
+
+        Returns ((entry, row, rows, blob offset), ...), a piece per run of rows that does not
+        wrap, and the blob's size: the rest of the head first, then the pieces.
+        """
+        pieces, offset = [], self.rest_nbytes
+        for e in self.windows:
+            start, count = writes[e.name]
+            length = e.shape[e.window_dim]
+            while count > 0:
+                row = start % length
+                n = min(count, length - row)
+                pieces.append((e, row, n, offset))
+                offset = _align(offset + n * (e.nbytes // length), SLOT_ALIGN)
+                start, count = start + n, count - n
+        return tuple(pieces), offset
+
+    def pack_delta(self, position: int, alloc,
+                   writes: dict[str, tuple[int, int]]) -> tuple[torch.Tensor, Packing, tuple]:
+        """
+        Copy the rest of the head and the window rows `writes` names into a new blob.
+
+        What a boundary needs beside the live arena when the next steps write only those
+        rows (ring.py). Returns (blob, the whole state's packing, ((window entry, first row,
+        their copy in the blob), ...): what put_rows writes back).
+        """
+        pieces, nbytes = self.window_rows(writes)
+        blob = alloc(nbytes)
+        copy_into(blob[:self.rest_nbytes], self.storage[:self.rest_nbytes])
+        kept = []
+        for e, row, n, offset in pieces:
+            shape = list(e.shape)
+            shape[e.window_dim] = n
+            rows = typed_view(blob, offset, e.torch_dtype, shape)
+            rows.copy_(self.views[e.name].narrow(e.window_dim, row, n))
+            kept.append((e, row, rows))
+        return blob, self.packing(position), tuple(kept)
+
+    def put_rows(self, entries) -> int:
+        """
+        Write back the window rows that delta entries kept (pack_delta), oldest entry first.
+
+        A row kept by several entries gets the oldest one's copy: the row as it was before
+        any of their steps. One gather and a copy per run of rows per window. Returns the
+        bytes copied.
+        """
+        gathered: dict[str, tuple] = {}  # name -> (entry, rows, the same as a set, copies)
+        for entry in entries:
+            for e, row, kept in entry.window_rows:
+                _, rows, seen, copies = gathered.setdefault(e.name, (e, [], set(), []))
+                n = kept.shape[e.window_dim]
+                new = [i for i in range(n) if row + i not in seen]
+                if len(new) == n:
+                    copies.append(kept)
+                else:  # the window went round: only the rows not put yet
+                    copies += [kept.narrow(e.window_dim, i, 1) for i in new]
+                added = [row + i for i in new]  # rows of the window (pieces do not wrap)
+                rows += added
+                seen.update(added)
+        copied = 0
+        for e, rows, _, copies in gathered.values():
+            src = copies[0] if len(copies) == 1 else torch.cat(copies, e.window_dim)
+            view, start = self.views[e.name], 0
+            for end in range(1, len(rows) + 1):  # one copy per run of consecutive rows
+                if end == len(rows) or rows[end] != rows[end - 1] + 1:
+                    view.narrow(e.window_dim, rows[start], end - start).copy_(
+                        src.narrow(e.window_dim, start, end - start))
+                    start = end
+            copied += src.nbytes
+        return copied
+
+    def put_windows(self, blob: torch.Tensor) -> int:
+        """Copy every window from a blob that holds the whole head; return the bytes copied."""
+        copy_into(self.storage[self.rest_nbytes:self.head_nbytes],
+                  blob[self.rest_nbytes:self.head_nbytes])
+        return self.head_nbytes - self.rest_nbytes
+
     def copy_pair(self, blob: torch.Tensor, packing: Packing,
                   skip_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """
@@ -406,6 +516,7 @@ class StateArena:
         lineage: tuple[int | None, int] = (None, 0),
         kinds: set[str] | None = None,
         views: dict | None = None,
+        rest_only: bool = False,
     ) -> tuple[int, torch.Tensor]:
         """
         Copy a snapshot blob back into the arena in place; return (bytes copied, source).
@@ -418,9 +529,12 @@ class StateArena:
         copy's views for the next restore of it. A set of kinds restores only entries of
         those kinds (the KV-only ablation), tensor by tensor. Rows a newer state wrote past
         the snapshot's (up to live_rows) are zeroed in every row-block tensor, of a
-        restored kind or not, which re-establishes the zero-tail invariant.
+        restored kind or not, which re-establishes the zero-tail invariant. rest_only: the
+        blob is a delta boundary's (pack_delta); only the head before the windows is copied.
         """
         stale = min(max(live_rows, packing.rows), self.rows)
+        if rest_only:
+            blob = blob[:self.rest_nbytes]  # its window rows go back apart (put_rows)
         if kinds is None:
             skip = self.skip_shared_rows and self.rows_shared(lineage[0]) >= packing.rows
             if blob.numel() < packing.nbytes and not skip:
@@ -445,8 +559,8 @@ class StateArena:
             return src.nbytes, blob
         if blob.numel() < packing.nbytes:
             raise FlashRTError('a head-only boundary restores in full mode only')
-        if not self.seq_kinds <= kinds:
-            lineage = (None, 0)  # some sequence rows stay the live state's, not the capsule's
+        if not self.seq_kinds | {e.kind for e in self.windows} <= kinds:
+            lineage = (None, 0)  # some rows stay the live state's, not the capsule's
         if blob.device != self.device:
             blob = blob.to(self.device, non_blocking=True)
         src = blob

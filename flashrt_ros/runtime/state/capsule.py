@@ -98,6 +98,10 @@ class Capsule:
     # True for a rollback-ring entry a commit captured: its rows are the live arena's, and it
     # leaves the ring when the lineage moves off them (ring.py). Never a stored capsule.
     on_lineage = False
+    # A delta boundary (a commit's entry when the state has windows): the window rows it kept,
+    # those the step after it overwrote, as (window, first row, their copy in the blob)
+    # (arena.pack_delta); its other rows are the live ones (ring.py). None: the whole head.
+    window_rows: tuple | None = None
 
     def __init__(
         self,

@@ -109,12 +109,13 @@ class StateCodec:
         return _meta_json(self._live_meta(), self.generator.get_state())
 
     def capture(self, name: str, tier: str, pinned: bool = False,
-                head_only: bool = False) -> Capsule:
+                head_only: bool = False, writes: dict | None = None) -> Capsule:
         """
         Copy the live state into a new capsule (not yet stored).
 
         head_only: a rollback boundary of the live lineage, which leaves the sequence rows
-        in the arena (ring.py); never stored.
+        in the arena (ring.py); never stored. writes: a delta boundary, which also leaves the
+        windows but for these rows ({name: (first row, rows)}, StateAdapter.window_writes).
         """
         self.before_alloc()  # first: the allocation below may reuse that memory
         # The blob is in arena memory; for the host and disk tiers of a GPU runtime in host
@@ -124,7 +125,11 @@ class StateCodec:
         else:
             alloc = functools.partial(host_blob, tier=tier, device=self.device)
         position = self.cursor.position
-        blob, packing = self.arena.pack(position, alloc, head_only)  # one copy
+        layout = None
+        if writes is None:
+            blob, packing = self.arena.pack(position, alloc, head_only)  # one copy
+        else:
+            blob, packing, layout = self.arena.pack_delta(position, alloc, writes)
         rng = self.generator.get_state()
         # A custom adapter's meta goes through JSON now (_adapter_meta): it may export live
         # objects, which must not leak into the capsule, and what cannot be written should
@@ -148,12 +153,21 @@ class StateCodec:
         # What check() would parse from meta_json, known here: the first restore of a fresh
         # capsule (an interrupt back to the last checkpoint) skips parsing it.
         cap.restore_cache['meta'] = dict(meta, rng=rng)
+        cap.window_rows = layout
         return cap
 
     def boundary(self, head_only: bool) -> Capsule:
-        """Capture the live state as a lineage entry of the rollback ring (ring.py)."""
-        entry = self.capture(BOUNDARY_NAME.format(self.cursor.position), 'device',
-                             head_only=head_only)
+        """
+        Capture the live state as a lineage entry of the rollback ring (ring.py).
+
+        head_only with windows in the state: a delta entry, which keeps of the windows only
+        the rows the next step overwrites.
+        """
+        name = BOUNDARY_NAME.format(self.cursor.position)
+        if head_only and self.arena.windows:
+            entry = self.capture(name, 'device', writes=self.adapter.window_writes())
+        else:
+            entry = self.capture(name, 'device', head_only=head_only)
         entry.on_lineage = True
         return entry
 
@@ -209,21 +223,29 @@ class StateCodec:
         return meta
 
     def apply(self, cap: Capsule, meta: dict | None = None,
-              kinds: set[str] | None = None) -> torch.Tensor:
+              kinds: set[str] | None = None, path: tuple = (None, ())) -> torch.Tensor:
         """
         Write capsule `cap` into the live state (checked first unless `meta` is given).
 
         Returns the blob it copied from: the capsule's, or its transfer to this device (of
         the head only, when the rows were shared). kinds: restore only those (kv_only).
+        path: for a delta entry of the ring, the entries that take the live windows back to
+        it (RollbackRing.path); the newest entry needs none.
         """
         if meta is None:
             meta = self.check(cap)
         cursor = self.cursor
         if self._cuda and cap.tier != 'device':
             self.before_alloc()  # the host -> device transfer allocates
+        delta = cap.window_rows is not None
         self.last_copied_bytes, blob = self.arena.unpack(
             cap.blob, cap.packing, max(cursor.position, cursor.extent), (cap.epoch, cap.position),
-            kinds, cap.restore_cache)
+            kinds, cap.restore_cache, rest_only=delta)
+        if delta:
+            base, deltas = path
+            if base is not None:
+                self.last_copied_bytes += self.arena.put_windows(base.blob)
+            self.last_copied_bytes += self.arena.put_rows((cap, *deltas))
         cursor.extent = 0
         adapter_meta = meta['adapter']  # (_adapter_meta inline: every restore runs this)
         self.adapter.import_meta(adapter_meta if self.meta_trusted

@@ -8,7 +8,7 @@ step goes back to), so the ring holds at most max(budget, one entry). The budget
 the bytes the entries hold, each blob once (repeated restores of one capsule push it
 again), also a blob a stored capsule shares.
 
-Two kinds of entry:
+Three kinds of entry:
   * a lineage entry (`on_lineage`, what a commit pushes) holds only the head of the state
     at its boundary: the tensors without a sequence axis and the non-tensor state. Its
     sequence rows are the live arena's first `position` rows, which are append-only within
@@ -18,6 +18,15 @@ Two kinds of entry:
     lineage that rewrote them), the entry cannot be restored any more: prune() takes it
     off the ring. The ring built with head_only=False keeps whole copies instead (a
     reference that never relies on the live rows) and prunes them by the same rule;
+  * a delta entry, what a commit pushes when the state has windows (arena.py: a sliding-
+    window cache, a stream's last tokens): a step overwrites a few rows of each window, so
+    besides the rest of the head the entry keeps only the rows the next step will overwrite
+    (the adapter says which: StateAdapter.window_writes), as they are at its boundary. A
+    rollback to it writes back its rows and those of every delta entry newer than it (a
+    row kept twice from the older: path()), so the windows are byte for byte what they
+    were; the cost is what the frames wrote, not the window. That holds while the live
+    state came from it by steps alone (arena.descends): prune() takes it off the ring
+    otherwise (a reset, another branch restored);
   * a restored capsule: a device capsule goes on the ring by reference (capsules are
     immutable), so deleting it frees its memory only once it has left the ring; so does
     the device-side blob a full host restore copied from. It is self-contained and never
@@ -35,7 +44,8 @@ private state than the ring did.
 from __future__ import annotations
 
 import collections
-from typing import Callable, Iterable
+import itertools
+from typing import Iterable
 
 from .capsule import Capsule
 
@@ -68,26 +78,46 @@ class RollbackRing(collections.deque):
             while len(self) > 1 and self.nbytes() > self.budget:
                 self.retired.append(self.popleft())
 
-    def prune(self, rows_shared: Callable[[int | None], int]) -> None:
+    def prune(self, arena) -> None:
         """
         Retire the lineage entries whose rows the live state no longer holds (lock held).
 
-        rows_shared(epoch): the leading rows the live state shares with that epoch
-        (StateArena.rows_shared). Every other entry stays, in order.
+        That is: rows of the row block past what the live state shares with the entry's
+        epoch (arena.rows_shared), and for a delta entry its windows, unless the live state
+        came from it by steps (arena.descends). Every other entry stays, in order.
         """
         shared: dict[int | None, int] = {}
         stale = []
         for entry in self:
-            if entry.on_lineage:
+            if entry.window_rows is not None:
+                if not arena.descends(entry.epoch, entry.position):
+                    stale.append(entry)
+            elif entry.on_lineage:
                 rows = shared.get(entry.epoch)
                 if rows is None:
-                    rows = shared[entry.epoch] = rows_shared(entry.epoch)
+                    rows = shared[entry.epoch] = arena.rows_shared(entry.epoch)
                 if rows < entry.position:
                     stale.append(entry)
         for entry in stale:
             self.remove(entry)
             self.retired.append(entry)
         self.lineage_drops += len(stale)
+
+    def path(self, index: int, descends) -> tuple:
+        """
+        Return what takes the live windows back to delta entry self[index]: (base, deltas).
+
+        base: the oldest entry newer than it that holds the whole head and that the live
+        state came from (descends(epoch, position)), whose windows are copied first; None:
+        start from the live windows. deltas: the delta entries between, oldest first.
+        """
+        deltas = []
+        for entry in itertools.islice(self, index + 1, None):
+            if entry.window_rows is not None:
+                deltas.append(entry)
+            elif descends(entry.epoch, entry.position):
+                return entry, deltas
+        return None, deltas
 
     def retire_newest(self, n: int) -> None:
         """Take the n newest boundaries off the ring (a rollback past them)."""
