@@ -17,6 +17,7 @@ import torch
 from .common import PAPER, ratio, summarize
 from .measure import (
     arena_decode_tps,
+    cpu_info,
     dynamic_cache_decode_tps,
     first_token_s,
     hf_generate_decode_tps,
@@ -337,6 +338,19 @@ def _without_fastpath(rt, fn):
         rt.adapter.fastpath = saved
 
 
+def _float32_beside(rt):
+    """The same model in float32 with the compiled step, beside a bf16 one (else None)."""
+    if rt.device.type != 'cpu' or rt.adapter.dtype != torch.bfloat16 or getattr(
+            rt.adapter, 'cpu_step', None) is None:
+        return None
+    wide = Runtime(dataclasses.replace(rt.config, dtype='float32'))
+    if wide.adapter.cpu_step is None:
+        wide.close()
+        return None
+    wide.warmup()
+    return wide
+
+
 def fig4_decode(rt, plan, log, peer_python=None):
     """Greedy decode tokens/s: arena engine vs DynamicCache, generate() and llama.cpp, paired."""
     ids, steps, model, dev = token_ids(64, seed=1), plan.decode_steps, rt.adapter.model, rt.device
@@ -361,6 +375,9 @@ def fig4_decode(rt, plan, log, peer_python=None):
     if getattr(rt.adapter, 'fastpath', None) is not None:
         paths['arena_no_fastpath'] = lambda: _without_fastpath(
             rt, lambda: arena_decode_tps(rt, ids, steps))
+    wide = _float32_beside(rt)  # a bf16 model's compiled step against its float32 one
+    if wide is not None:
+        paths['arena_float32'] = lambda: arena_decode_tps(wide, ids, steps)
     if peer is not None:
         paths['llama_cpp'] = peer_decode_tps(peer, ids, steps)
     rounds = plan.decode_rounds
@@ -369,8 +386,9 @@ def fig4_decode(rt, plan, log, peer_python=None):
     finally:
         if peer is not None:
             peer.close()
-    if eager is not None:
-        eager.close()
+    for other in (eager, wide):
+        if other is not None:
+            other.close()
     rt.reset()
     for i in range(rounds):
         log(f'fig4 round {i + 1}/{rounds}: ' + ', '.join(
@@ -386,6 +404,8 @@ def fig4_decode(rt, plan, log, peer_python=None):
         'cuda_graph': rt.stats().cuda_graph,
         'fastpath': getattr(rt.adapter, 'fastpath', None) is not None,
         'fastpath_note': getattr(rt.adapter, 'fastpath_note', None),
+        'dtype': str(rt.adapter.dtype).removeprefix('torch.'),
+        'cpu_info': cpu_info(rt) if dev.type == 'cpu' else None,
         'tokens_per_s': {k: summarize(v) for k, v in runs.items()},
         'arena_over': over,
         'ratio_vs_dynamic_cache_loop': over['dynamic_cache_loop']['median'],
@@ -397,6 +417,8 @@ def fig4_decode(rt, plan, log, peer_python=None):
         result['cuda_graph_speedup'] = over['arena_no_cuda_graph']['median']
     if 'arena_no_fastpath' in over:
         result['fastpath_speedup'] = over['arena_no_fastpath']['median']
+    if wide is not None:
+        result['bf16_over_float32'] = over['arena_float32']['median']
     if peer is not None:
         result['ratio_vs_llama_cpp'] = over['llama_cpp']['median']
         result['llama_cpp'] = about

@@ -18,6 +18,8 @@ Each function returns a dict so the figures (figures.py) can reuse it.
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import statistics
 import time
 
@@ -26,6 +28,38 @@ import torch
 
 
 BENCH_MODEL = 'builtin:bench-hybrid'  # the default model of every benchmark
+
+
+# The vector features a CPU figure depends on (x86 flags, Arm Features), as /proc/cpuinfo names
+VECTOR_FEATURES = ('avx2', 'fma', 'avx512f', 'avx512bw', 'avx512vl', 'avx512_bf16',
+                   'avx512_vnni', 'amx_tile', 'amx_bf16', 'asimd', 'asimddp', 'bf16', 'i8mm',
+                   'sve', 'sve2', 'svebf16')
+
+
+def cpu_info(rt: Runtime | None = None) -> dict:
+    """The CPU a figure was measured on: model, vector features, load, the compiled step."""
+    fields = {}
+    try:
+        with open('/proc/cpuinfo') as f:
+            for line in f:
+                key, _, value = line.partition(':')
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    flags = set((fields.get('flags') or fields.get('Features') or '').split())
+    model = fields.get('model name') or (
+        f'Arm implementer {fields["CPU implementer"]} part {fields["CPU part"]}'
+        if 'CPU part' in fields else platform.processor() or 'unknown')
+    step = getattr(getattr(rt, 'adapter', None), 'cpu_step', None)
+    return {
+        'model': model,
+        'machine': platform.machine(),
+        'cores': os.cpu_count(),
+        'vector_features': [f for f in VECTOR_FEATURES if f in flags],
+        'compiled_step_lanes': step.lib.fr_lanes() if step is not None else None,
+        'threads': torch.get_num_threads(),
+        'load_average': [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def sync(device: torch.device) -> None:

@@ -20,9 +20,11 @@ import sys
 import torch
 
 from .common import ratio, summarize
-from .measure import first_token_s, restored_first_token_s, sample_interleaved_s, token_ids
+from .measure import (cpu_info, first_token_s, restored_first_token_s, sample_interleaved_s,
+                      token_ids)
 
 PEER_LENGTHS = (512, 2048, 8192, 16384)
+GGUF_TYPES = {torch.float32: 'f32', torch.bfloat16: 'bf16'}  # the model's dtype, unchanged
 PEER_ENV = 'FLASHRT_PEER_PYTHON'
 WORKER = Path(__file__).with_name('peer_worker.py')
 
@@ -47,7 +49,8 @@ def qwen35_checkpoint(model, directory):
     Save a dense Qwen3-Next model as a Qwen3.5 text checkpoint computing the same function.
 
     Qwen3-Next interleaves [q, k, v, z] and [b, a] per key-head group in two projections;
-    Qwen3.5 has one projection each for qkv, z, b and a, heads in the same order.
+    Qwen3.5 has one projection each for qkv, z, b and a, heads in the same order. The
+    weights keep the model's dtype (float32 or bf16): llama.cpp gets the same numbers.
     """
     cfg = model.config
     if cfg.model_type != 'qwen3_next':
@@ -56,7 +59,7 @@ def qwen35_checkpoint(model, directory):
     r, dv = cfg.linear_num_value_heads // hk, cfg.linear_value_head_dim
     tensors = {}
     for name, t in model.state_dict().items():
-        t = t.detach().float().clone()  # its own memory: safetensors refuses shared storage
+        t = t.detach().clone()  # its own memory: safetensors refuses shared storage
         if name.endswith('in_proj_qkvz.weight'):
             q, k, v, z = t.view(hk, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], 1)
             base = name.removesuffix('in_proj_qkvz.weight')
@@ -79,7 +82,7 @@ def qwen35_checkpoint(model, directory):
               if not k.startswith(('num_experts', 'moe_', 'shared_expert', 'decoder_sparse',
                                    'norm_topk', 'output_router', 'router_aux', 'mlp_only'))}
     config.update(architectures=['Qwen3_5ForCausalLM'], model_type='qwen3_5_text',
-                  torch_dtype='float32', tie_word_embeddings=False)
+                  torch_dtype=str(model.dtype).removeprefix('torch.'), tie_word_embeddings=False)
     (out / 'config.json').write_text(json.dumps(config, indent=1, default=str))
     return out
 
@@ -132,15 +135,16 @@ def open_peer(rt, plan, python, n_ctx, log):
     try:
         qwen35_checkpoint(rt.adapter.model, workdir / 'qwen35')
         gguf = str(workdir / 'bench.gguf')
-        converted = peer('convert', checkpoint=str(workdir / 'qwen35'), out=gguf)
+        outtype = GGUF_TYPES[rt.adapter.dtype]
+        converted = peer('convert', checkpoint=str(workdir / 'qwen35'), out=gguf, outtype=outtype)
         sampled = min(rt.adapter.vocab_size, rt.tokenizer.vocab_size)  # as Engine.limit_vocab
         loaded = peer('load', gguf=gguf, n_ctx=n_ctx, threads=threads, sampled=sampled)
     except BaseException:
         peer.close()
         raise
-    log(f'llama.cpp: the model converted to GGUF ({converted["bytes"] / 2**20:.1f} MiB), '
-        f'{threads} threads')
-    return peer, {'threads': threads, 'gguf_bytes': converted['bytes'],
+    log(f'llama.cpp: the model converted to a {outtype} GGUF '
+        f'({converted["bytes"] / 2**20:.1f} MiB), {threads} threads')
+    return peer, {'threads': threads, 'gguf_bytes': converted['bytes'], 'gguf_type': outtype,
                   'llama_cpp_system': loaded['system_info']}
 
 
@@ -158,17 +162,20 @@ def skip_reason(rt, python):
         reason = f'the peer figure converts qwen3_next models; this one is {rt.adapter.family}'
     if reason is None and rt.device.type != 'cpu':
         reason = 'the peer runs on CPU (llama.cpp is built for the CPU here)'
+    if reason is None and rt.adapter.dtype not in GGUF_TYPES:
+        reason = f'llama.cpp gets float32 or bf16 weights here; this model is {rt.adapter.dtype}'
     return reason
 
 
 def fig7_peer(rt, plan, log, python=None):
     """Cold prefill, state save/restore, restore + first token and decode vs llama.cpp."""
     python = python or os.environ.get(PEER_ENV)
-    title = 'The runtime vs llama.cpp on the same weights (f32, same threads)'
+    dtype = str(rt.adapter.dtype).removeprefix('torch.')
+    title = f'The runtime vs llama.cpp on the same weights ({dtype}, same threads)'
     reason = skip_reason(rt, python)
     if reason is not None:
         log(f'fig7 skipped: {reason}')
-        return {'title': title, 'skipped': [reason]}
+        return {'title': title, 'dtype': dtype, 'cpu_info': cpu_info(rt), 'skipped': [reason]}
     lengths = [n for n in plan.lengths if n in PEER_LENGTHS] or list(plan.lengths)
     lengths = [n for n in lengths if n + plan.decode_steps + 2 <= rt.config.max_seq_len]
     peer, loaded = open_peer(rt, plan, python, max(lengths) + plan.decode_steps + 16, log)
@@ -183,6 +190,8 @@ def fig7_peer(rt, plan, log, python=None):
     at = {r['tokens']: r for r in rows}
     return {
         'title': title,
+        'dtype': dtype,
+        'cpu_info': cpu_info(rt),
         **loaded,
         'rows': rows,
         'same_greedy_tokens': all(r['same_greedy_tokens'] for r in rows),

@@ -41,8 +41,8 @@ class Peer:
         self.llm = None
         self.saved = {}  # name -> (n_tokens, seq blob, whole blob)
 
-    def convert(self, checkpoint, out):
-        """Write `checkpoint` as an f32 GGUF with llama.cpp's converter and a byte vocab."""
+    def convert(self, checkpoint, out, outtype='f32'):
+        """Write `checkpoint` as a GGUF (f32 or bf16) with llama.cpp's converter, byte vocab."""
         roots = glob.glob(os.path.join(sys.prefix, 'src', 'llama_cpp_python-*', 'vendor',
                                        'llama.cpp'))
         if not roots:
@@ -83,7 +83,7 @@ class Peer:
 
         cls.set_vocab = set_vocab
         argv = sys.argv
-        sys.argv = ['convert_hf_to_gguf.py', checkpoint, '--outfile', out, '--outtype', 'f32',
+        sys.argv = ['convert_hf_to_gguf.py', checkpoint, '--outfile', out, '--outtype', outtype,
                     '--no-mtp']
         try:
             convert_hf_to_gguf.main()
