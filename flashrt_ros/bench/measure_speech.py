@@ -98,13 +98,28 @@ def measure_speech(model: str = 'builtin:tiny-stt', device: str = 'cpu',
         rt.close()
 
 
-def plot(result: dict, path: str) -> str | None:
-    """Draw the two panels as a PNG; None without matplotlib."""
+def pyplot():
+    """Return matplotlib.pyplot on the Agg backend (no display needed); None without it."""
     try:
         import matplotlib
         matplotlib.use('Agg')
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def save(fig, path: str) -> str:
+    """Write `fig` as a PNG at `path`; return the path."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def plot(result: dict, path: str) -> str | None:
+    """Draw the two panels as a PNG; None without matplotlib."""
+    plt = pyplot()
+    if plt is None:
         return None
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     ms = np.array(result['frame_ms'])
@@ -122,8 +137,7 @@ def plot(result: dict, path: str) -> str | None:
     b.set(xticks=x, xticklabels=[f'{r["seconds"]} s' for r in rows], yscale='log',
           ylabel='ms', title='back to the state after L seconds of audio')
     b.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    path = save(fig, path)
     plt.close(fig)
     return path
 
