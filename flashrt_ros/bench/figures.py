@@ -339,7 +339,7 @@ def _without_fastpath(rt, fn):
 
 
 def _float32_beside(rt):
-    """The same model in float32 with the compiled step, beside a bf16 one (else None)."""
+    """Return the same model in float32 with the compiled step, beside a bf16 one (or None)."""
     if rt.device.type != 'cpu' or rt.adapter.dtype != torch.bfloat16 or getattr(
             rt.adapter, 'cpu_step', None) is None:
         return None

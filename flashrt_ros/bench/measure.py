@@ -37,7 +37,7 @@ VECTOR_FEATURES = ('avx2', 'fma', 'avx512f', 'avx512bw', 'avx512vl', 'avx512_bf1
 
 
 def cpu_info(rt: Runtime | None = None) -> dict:
-    """The CPU a figure was measured on: model, vector features, load, the compiled step."""
+    """Describe the CPU a figure ran on: model, vector features, load, the compiled step."""
     fields = {}
     try:
         with open('/proc/cpuinfo') as f:
