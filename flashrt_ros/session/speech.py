@@ -43,6 +43,7 @@ class SpeechMode(Mode):
         self._cut = threading.Event()   # set while an interrupt waits for the gate
         self._next_sample = None        # expected first_sample of the next chunk (None: any)
         self._interrupted_at = 0.0      # wall time before which audio is stale
+        self._lag_s = 0.0               # receipt of the last chunk -> its frames done
         self.utterance = 0              # counts episodes (the chunks' turn_id)
         quiet_s, quiet_db = param('end_of_utterance_s'), param('end_of_utterance_db')
         self.transcriber = Transcriber(
@@ -90,6 +91,8 @@ class SpeechMode(Mode):
                 return []
             if first_sample >= 0:
                 self._next_sample = first_sample + len(samples)
+            if received is not None:  # from the middleware's receipt to its frames' end
+                self._lag_s = max(0.0, time.time() - received)
             if stamp is not None:
                 rate = sample_rate or self.runtime.speech_spec.sample_rate
                 stamp += round(events.last_sample * 1e9 / rate)
@@ -149,7 +152,13 @@ class SpeechMode(Mode):
 
     def diagnostics(self, stats):
         spec, quiet = self.runtime.speech_spec, self.transcriber
+        frame_s = spec.frame_size / spec.sample_rate
+        # Above 1 the model falls behind the audio (a CPU at real size): said, not hidden.
+        factor = (stats.control_step_s or 0.0) / frame_s
         return {'frame_step_ms': f'{(stats.control_step_s or 0.0) * 1e3:.3f}',
+                'real_time_factor': f'{factor:.3f}' + (' (slower than real time)'
+                                                       if factor > 1.0 else ''),
+                'audio_lag_ms': f'{self._lag_s * 1e3:.1f}',
                 'speech_settings': spec.settings,
                 'text_delay_s': f'{spec.text_delay_s:g}',
                 'silence_prefix_s': f'{spec.silence_prefix_s:g}',

@@ -174,3 +174,15 @@ def test_diagnostics_say_the_speech_settings_and_the_end_of_utterance_rule(speec
     assert values['speech_settings'] == 'built-in' and values['text_delay_s'] == '0.24'
     assert values['silence_prefix_s'] == '0' and values['sample_rate'] == '24000'
     assert 'energy/padding rule' in values['end_of_utterance']
+
+
+def test_diagnostics_say_how_far_the_model_is_from_real_time(speech):
+    session, _ = speech
+    received = time.time()
+    session.mode.audio(_audio(4, seed=3), None, -1, received)
+    stats = session.runtime.stats()
+    values = session.mode.diagnostics(stats)
+    factor = stats.control_step_s / (1920 / 24000)
+    assert values['real_time_factor'].startswith(f'{factor:.3f}')
+    assert ('slower than real time' in values['real_time_factor']) == (factor > 1.0)
+    assert 0.0 < float(values['audio_lag_ms']) < (time.time() - received) * 1e3 + 1.0
