@@ -127,7 +127,7 @@ PARAMETERS = (
     _runtime('speculative_verify', 'batched: one forward verifies a round (fast; exact in '
              'float32 up to rounding); sequential: one step per token, bit-exact with plain '
              'greedy decoding.', choices=VERIFY_STRATEGIES),
-    _runtime('cpu_step', 'Decode Qwen3-Next / Qwen3.5 float32 models on a CPU with the '
+    _runtime('cpu_step', 'Decode Qwen3-Next / Qwen3.5 float32 and bf16 models on a CPU with the '
              'compiled step (cpu_step.c, built with the C compiler at the first start and '
              'cached; /diagnostics cpu_step says why a model runs without it). false: torch '
              "ops whose results equal transformers' bit for bit, at a fraction of the speed."),

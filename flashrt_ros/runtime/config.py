@@ -55,7 +55,7 @@ class RuntimeConfig:
     speculation: bool = False
     speculative_tokens: int = 2  # drafts per round, 1..3
     speculative_verify: str = 'batched'  # "batched" | "sequential" (bit-exact with plain)
-    # Decode Qwen3-Next / Qwen3.5 float32 models on a CPU with the compiled step
+    # Decode Qwen3-Next / Qwen3.5 float32 and bf16 models on a CPU with the compiled step
     # (models/cpu_step.c: needs a C compiler at first start); False: torch ops, bit-identical
     # with transformers' forward.
     cpu_step: bool = True
