@@ -24,7 +24,7 @@ IMPORT_TO_KEY = {
 LOCAL = {'flashrt_ros', 'conftest', 'node_harness', 'session_harness', 'runtime_harness',
          'checkpoint_harness',
          'reliability_harness', 'test_preemption', 'test_soak',
-         'test_policy_prefix', 'speech_script'}  # this repository's tests
+         'test_policy_prefix', 'speech_script', 'test_speculation'}  # this repository's tests
 # Imported only by flashrt_ros/bench/peer_worker.py and lerobot_worker.py, which run in
 # build/peer-venv (make bench-peer: llama.cpp and its converter) and build/lerobot-venv (make
 # bench-lerobot), never in the package's own environment.
