@@ -1,12 +1,14 @@
 """
 The `make demo` session: what execution-state capsules buy a robot stack, over ROS 2.
 
-Starts the flashrt node as a process on the embedded model, then, as a client over DDS:
-prefill a system prompt and snapshot `home` (the node does that at activation); stream a
-reply; interrupt mid-reply and time interrupt -> restored state; fork a branch and show both
-branches continue independently; restore `home` and show the reply is token-identical; save
-to disk, restart the node, restore from disk. Prints a short report, stops the node by PID
-and exits 0 when every check holds.
+Starts the flashrt node as a process on the embedded model (a small tabletop robot
+assistant, docs/default-model.md), then, as a client over DDS: prefill the scene as the
+system prompt and snapshot `home` (the node does that at activation); stream the plan for an
+instruction; interrupt plans mid-way and time interrupt -> restored state; fork a branch and
+give each branch a different instruction; restore `home` and show the same instruction gives
+the same plan, token for token; save the conversation to disk, restart the node, restore
+from disk and continue it. Prints a short report, stops the node by PID and exits 0 when
+every check holds.
 """
 
 import argparse
@@ -18,9 +20,16 @@ import tempfile
 import time
 
 from flashrt_ros.node_process import NodeProcess
+from flashrt_ros.robot_corpus import plan_is_right, system_prompt
 
-SYSTEM_PROMPT = 'You are a helpful robot. Keep answers short.'
-QUESTION = 'User: where is the red cup?\nRobot:'
+SCENE = {'red cup': 'table', 'blue block': 'table', 'green ball': 'left tray',
+         'white bowl': 'shelf'}
+SYSTEM_PROMPT = system_prompt(SCENE)
+INSTRUCTION = ('pick up the red cup and put it on the right tray', 'red cup', 'right tray')
+BRANCH_A = ('put the blue block in the bin', 'blue block', 'bin')
+BRANCH_B = ('move the white bowl to the plate', 'white bowl', 'plate')  # held out in training
+CORRECTION = ('no, put it in the box', 'red cup', 'box')  # "it": the red cup, said earlier
+PLAN_TOKENS = 200  # a plan is about 150 bytes (one token each) and ends the turn itself
 INTERRUPTS = 20  # barge-ins timed (each a turn interrupted mid-reply)
 # The control path as a robot would run it (docs/setup.md): SCHED_FIFO for the control
 # thread (refused without rtprio: a warning, normal priority) and a core left to it.
@@ -72,33 +81,48 @@ def _start(workdir, params, report, label):
     return node, client
 
 
-def _run_session(client, report, events):
+def _plan(client, report, label, task, trained, **kwargs):
+    """Send an instruction, print the reply's lines, check it names the object and place."""
+    text, obj, place = task
+    outcome = client.generate(text, max_new_tokens=PLAN_TOKENS, **kwargs)
+    report.line(f'{label}"{text}" ->')
+    for line in outcome.result.text.splitlines():
+        report.line(f'    {_shown(line, 70)[1:-1]}')
+    report.check(outcome.result.success, 'reply complete')
+    if trained:  # a random-weight built-in's text means nothing
+        report.check(plan_is_right(outcome.result.text, obj, place),
+                     f'the plan takes the {obj} to the {place}')
+    return outcome
+
+
+def _run_session(client, report, events, trained):
     from flashrt_ros.msg import Interrupt
 
-    report.section('Prefill the system prompt and snapshot `home` (done at activation)')
+    report.section('Prefill the scene as the system prompt and snapshot `home` (at activation)')
     home = {c.name: c for c in client.list_capsules().capsules}['home']
+    report.line(f'scene: {_shown(SYSTEM_PROMPT, 200)}')
     report.line(f'home: {home.position} tokens of system prompt, {home.size_bytes} bytes on '
                 f'{home.tier}, components {", ".join(home.components)}')
     home_digest = client.state_digest()
 
-    report.section('Generate a reply while streaming tokens')
+    report.section('An instruction: the reply streams as a numbered plan')
     streamed = []
-    first = client.generate(QUESTION, max_new_tokens=24,
-                            feedback_callback=lambda c: streamed.append(c.text))
+    first = _plan(client, report, '', INSTRUCTION, trained,
+                  feedback_callback=lambda c: streamed.append(c.text))
     r = first.result
-    report.line(f'streamed {len(first.chunks)} chunks: {_shown("".join(streamed))}')
-    report.line(f'{len(r.token_ids)} tokens, time to first token {r.time_to_first_token_ms:.1f} '
-                f'ms, {r.tokens_per_second:.0f} tokens/s')
-    report.check(r.success and len(r.token_ids) == 24, 'reply complete')
+    report.line(f'streamed in {len(first.chunks)} chunks; {len(r.token_ids)} tokens, time to '
+                f'first token {r.time_to_first_token_ms:.1f} ms, {r.tokens_per_second:.0f} '
+                'tokens/s')
+    report.check(''.join(streamed) == r.text, 'the streamed chunks are the reply')
 
-    report.section('Interrupt mid-reply (barge-in) and restore `home`')
+    report.section('Interrupt mid-plan (barge-in) and restore `home`')
     latencies, stages, stopped, event = [], [], None, None
     for _ in range(INTERRUPTS):
         assert client.restore('home').success
         start = len(events)
-        run = client.start_generate(QUESTION, max_new_tokens=400)
+        run = client.start_generate(INSTRUCTION[0], max_new_tokens=400)
         deadline = time.monotonic() + 30.0
-        while len(run.chunks) < 8 and time.monotonic() < deadline:
+        while sum(len(c.token_ids) for c in run.chunks) < 60 and time.monotonic() < deadline:
             time.sleep(0.005)
         client.interrupt(mode=Interrupt.RESTORE, capsule='home', reason='barge-in')
         stopped = run.result(30.0)
@@ -107,8 +131,8 @@ def _run_session(client, report, events):
             break
         latencies.append(event.latency_ms)
         stages.append(dict(zip(event.stage_names, event.stage_ms)))
-    report.line(f'stopped after {len(stopped.token_ids)} of 400 tokens '
-                f'(stop reason {stopped.result.stop_reason})')
+    report.line(f'cut after {len(stopped.result.token_ids)} tokens (stop reason '
+                f'{stopped.result.stop_reason}): {_shown(stopped.result.text, 90)}')
     if latencies:
         order = sorted(range(len(latencies)), key=latencies.__getitem__)
         middle = stages[order[len(order) // 2]]
@@ -118,42 +142,44 @@ def _run_session(client, report, events):
         report.line('  the median one, ms after receipt: ' + ', '.join(
             f'{name} {ms:.2f}' for name, ms in middle.items()))
     report.check(len(latencies) == INTERRUPTS, 'every interrupt event reports success')
+    report.check(len(stopped.result.token_ids) < len(first.token_ids),
+                 'the plan was cut before its end')
     report.check(client.state_digest() == home_digest,
                  'live state is byte-identical to `home` (state digest)')
 
-    report.section('Fork a branch; both branches continue independently')
-    assert client.generate(' The cup is on the table.', start_from='home', save_as='branch_a',
-                           max_new_tokens=8).result.success
+    report.section('Fork a branch; each branch gets its own instruction')
+    base = client.generate(INSTRUCTION[0], start_from='home', save_as='branch_a',
+                           max_new_tokens=PLAN_TOKENS)
+    report.line(f'branch_a: `home` + "{INSTRUCTION[0]}" + its plan '
+                f'({len(base.token_ids)} tokens)')
     fork = client.fork('branch_a', 'branch_b')
     report.line(f'fork branch_a -> branch_b: {fork.latency_ms:.3f} ms, '
                 f'{fork.capsule.size_bytes} bytes')
-    a1 = client.generate(' Go left.', start_from='branch_a', max_new_tokens=32)
-    b1 = client.generate(' Turn right at the door.', start_from='branch_b',
-                         max_new_tokens=32)
-    a2 = client.generate(' Go left.', start_from='branch_a', max_new_tokens=32)
-    report.line(f'branch_a + "Go left.":                {_shown(a1.result.text, 60)}')
-    report.line(f'branch_b + "Turn right at the door.": {_shown(b1.result.text, 60)}')
+    a1 = _plan(client, report, 'branch_a: ', BRANCH_A, trained, start_from='branch_a')
+    b1 = _plan(client, report, 'branch_b: ', BRANCH_B, trained, start_from='branch_b')
+    a2 = client.generate(BRANCH_A[0], start_from='branch_a', max_new_tokens=PLAN_TOKENS)
     report.check(fork.success and a1.token_ids == a2.token_ids,
-                 'branch_a continues identically after branch_b ran (independent)')
+                 'branch_a answers identically after branch_b ran (independent)')
     report.check(a1.token_ids != b1.token_ids, 'the branches diverge on different input')
 
-    report.section('Restore `home` and ask again')
+    report.section('Restore `home` and give the same instruction again')
     restore = client.restore('home')
-    again = client.generate(QUESTION, max_new_tokens=24)
+    again = client.generate(INSTRUCTION[0], max_new_tokens=PLAN_TOKENS)
     report.line(f'restore home: {restore.latency_ms:.3f} ms')
     same = sum(x == y for x, y in zip(again.token_ids, first.token_ids))
     report.check(again.token_ids == first.token_ids,
-                 f'reply is token-identical to the first one ({same}/{len(first.token_ids)})')
+                 f'the plan is token-identical to the first one ({same}/'
+                 f'{len(first.token_ids)})')
 
-    report.section('Save the session to disk')
+    report.section('Save the conversation to disk')
     assert client.restore('home').success
-    assert client.generate(' Remember: the cup is red.', max_new_tokens=8).result.success
+    assert client.generate(INSTRUCTION[0], max_new_tokens=PLAN_TOKENS).result.success
     snap = client.snapshot('session', tier='disk')
     report.line(f'snapshot session -> disk: {snap.capsule.size_bytes} bytes, '
                 f'{snap.latency_ms:.2f} ms (checksummed, written atomically)')
     report.check(snap.success, 'disk snapshot taken')
     session_digest = client.state_digest()
-    reference = client.generate(' What colour is the cup?', max_new_tokens=12)
+    reference = client.generate(CORRECTION[0], max_new_tokens=PLAN_TOKENS)
     return session_digest, reference.token_ids
 
 
@@ -167,7 +193,8 @@ def _wait_event(events, start, operation, timeout=10.0):
     return None
 
 
-def _restart_and_restore(node, client, workdir, params, report, session_digest, reference):
+def _restart_and_restore(node, client, workdir, params, report, session_digest, reference,
+                         trained):
     report.section('Restart the node and restore from disk')
     client.close()
     code = node.stop()
@@ -181,9 +208,9 @@ def _restart_and_restore(node, client, workdir, params, report, session_digest, 
                 f'(read + checksum verify + copy)')
     report.check(restore.success and client.state_digest() == session_digest,
                  'restored state is byte-identical to the one saved before the restart')
-    cont = client.generate(' What colour is the cup?', max_new_tokens=12)
+    cont = _plan(client, report, 'the conversation continues: ', CORRECTION, trained)
     report.check(cont.token_ids == reference,
-                 'continuation is token-identical to the one before the restart')
+                 'the reply is token-identical to the one before the restart')
     return node, client
 
 
@@ -237,8 +264,10 @@ def run_demo(argv, *, doc, title, default_model, params, random_note, session):
 
 
 def _lm_session(node, client, workdir, params, report, events):
-    digest, reference = _run_session(client, report, events)
-    return _restart_and_restore(node, client, workdir, params, report, digest, reference)
+    trained = not params['model'].startswith('builtin:')
+    digest, reference = _run_session(client, report, events, trained)
+    return _restart_and_restore(node, client, workdir, params, report, digest, reference,
+                                trained)
 
 
 def main(argv=None):

@@ -1,12 +1,14 @@
 """The node's default model is the trained checkpoint: by its short name and by its folder."""
 
 from flashrt_ros.node_process import NodeProcess
+from flashrt_ros.robot_corpus import system_prompt
 from flashrt_ros.runtime.models.hf import DEFAULT_DIR
 from node_harness import diagnostics, start_client, wait_active
 import pytest
 
-PARAMS = {'max_seq_len': 512, 'system_prompt': 'Return the absolute value of a number.\n'}
-PROMPT = '\nThe os module provides'
+PARAMS = {'max_seq_len': 512,
+          'system_prompt': system_prompt({'red cup': 'table', 'blue block': 'shelf'})}
+PROMPT = 'put the red cup on the left tray'
 
 
 @pytest.fixture(scope='module')
@@ -26,9 +28,8 @@ def _reply(proc):
     client = start_client(proc.name)
     try:
         wait_active(client, proc, timeout=240.0)
-        # Raw text: a documentation-like prompt continued (a chat reply may end after a few
-        # words at the model's end-of-turn token).
-        done = client.generate(PROMPT, raw=True, max_new_tokens=40, timeout=120.0)
+        # A user turn over the scene (the system message): the start of a plan.
+        done = client.generate(PROMPT, max_new_tokens=40, timeout=120.0)
         assert done.result.success, done.result.message
         assert diagnostics(client)['cpu_step'] == 'on'
         return list(done.token_ids), done.result.text
@@ -43,7 +44,7 @@ def test_default_and_folder_path_serve_the_same_readable_model(nodes):
     exact = Runtime(RuntimeConfig(model='default', max_seq_len=512, cpu_step=False))
     try:
         exact.prefill(PARAMS['system_prompt'])
-        expected = [e.token_id for e in exact.generate(PROMPT, raw=True, max_new_tokens=40)]
+        expected = [e.token_id for e in exact.generate(PROMPT, max_new_tokens=40)]
     finally:
         exact.close()
     assert by_name[0] == expected

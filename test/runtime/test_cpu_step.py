@@ -303,6 +303,11 @@ def test_a_bf16_checkpoint_steps_compiled_like_transformers_bf16(make_runtime, t
     assert fast.adapter.cpu_step is not None, fast.stats().cpu_step_note
     for rt in (fast, exact):
         rt.prefill(PROMPT * 8, raw=True)
+        if model == 'default':
+            # The default answers with a plan here; after the raw prompt alone it picks a
+            # colour its training drew uniformly, where bf16 logits can tie exactly.
+            rt.prefill('<|im_start|>user\nput the red cup in the bin<|im_end|>\n'
+                       '<|im_start|>assistant\n', raw=True)
     logits_fast, _ = decode_steps(fast, 16)
     logits_exact, _ = decode_steps(exact, 16)
     for i, (a, b) in enumerate(zip(logits_fast, logits_exact)):

@@ -2,7 +2,7 @@
 
 import json
 
-from flashrt_ros import train_default
+from flashrt_ros import robot_corpus, train_default
 from flashrt_ros.runtime.models import mtp
 from flashrt_ros.runtime.models.hf import DEFAULT_DIR, HFCausalLMAdapter
 from flashrt_ros.runtime.models.tokenizer import HFTokenizer
@@ -12,8 +12,8 @@ import torch
 
 PROMPT = 'Return the number of items in a container.\n\n'
 # Measured on the committed weights (docs/default-model.md); the floors sit at about half.
-MIN_AGREEMENT = 0.4
-MIN_ACCURACY = 0.28
+MIN_AGREEMENT = 0.48
+MIN_ACCURACY = 0.45
 
 
 @pytest.fixture(scope='module')
@@ -23,13 +23,12 @@ def transformers_model():
 
 
 @pytest.fixture(scope='module')
-def heldout_text():
-    """Held-out documentation: the documents the training split leaves out."""
-    every = train_default.HPARAMS['heldout_every']
-    docs = [text for name, text in train_default.documents()
-            if train_default.is_heldout(name, every)]
-    assert len(docs) > 20
-    return '\n\n'.join(docs)
+def heldout_ids():
+    """Held-out conversations: instructions on (object, place) pairs training never saw."""
+    ids = []
+    for messages, obj, place in robot_corpus.heldout_tasks(40, seed=7):
+        ids += train_default.render(messages + [('assistant', robot_corpus.plan(obj, place))])
+    return ids
 
 
 def test_the_folder_is_a_normal_checkpoint():
@@ -86,8 +85,10 @@ def test_greedy_decode_equals_transformers_generate(make_runtime, transformers_m
 
 def test_replies_are_printable_text(make_runtime):
     rt = make_runtime('default', max_seq_len=512)
-    for prompt in (PROMPT, 'The os module provides', 'User: where is the red cup?\nRobot:'):
+    scene = robot_corpus.system_prompt({'red cup': 'table', 'green ball': 'left tray'})
+    for prompt in ('put the red cup in the bin', 'where is the green ball?', PROMPT):
         rt.reset()
+        rt.prefill(scene)
         ids = greedy(rt, 60, prompt=prompt)
         assert all(i < 256 for i in ids[:20]), ids  # bytes, not specials, at first
         text = rt.detokenize([i for i in ids if i < 256])
@@ -98,10 +99,10 @@ def test_replies_are_printable_text(make_runtime):
 
 
 @torch.no_grad()
-def test_mtp_head_agrees_with_the_main_model(transformers_model, heldout_text):
+def test_mtp_head_agrees_with_the_main_model(transformers_model, heldout_ids):
     head = mtp.load_head(transformers_model, DEFAULT_DIR)
     assert head is not None
-    ids = torch.tensor([list(heldout_text.encode('utf-8'))[:4096]])
+    ids = torch.tensor([heldout_ids[:4096]])
     main, draft = mtp.sequence_logits(transformers_model, head, ids)
     guess = draft.argmax(-1)  # row i guesses t_{i+2}
     agreement = (guess == main[:, 1:].argmax(-1)).float().mean().item()
