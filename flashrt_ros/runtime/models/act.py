@@ -31,13 +31,13 @@ import math
 from pathlib import Path
 
 import numpy as np
-from safetensors.torch import load_file
 import torch
 from torch import nn
 import torch.nn.functional as F
 
 from .lerobot import ACTConfig, Normalizer, NormalizerStats, OBS_ENV_STATE, OBS_STATE
-from .lerobot import read_act_config, read_normalizers, RESNET_LAYERS, WEIGHTS_FILE
+from .lerobot import place, read_act_config, read_normalizers, read_weights, RESNET_LAYERS
+from .lerobot import WEIGHTS_FILE
 from ..errors import ConfigError, InvalidRequestError
 from ..state.arena import StateSpec
 
@@ -460,25 +460,13 @@ def load_act(path: str | Path, device: str | torch.device = 'cpu',
     folder = Path(path)
     config = read_act_config(folder)
     pre, post, normalization = read_normalizers(folder, config)
-    try:
-        weights = load_file(str(folder / WEIGHTS_FILE))
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise ConfigError(f'cannot read {folder / WEIGHTS_FILE}: {exc}') from exc
+    weights = read_weights(folder)
     if any(k.startswith(_LEGACY_PREFIXES) for k in weights):
         raise ConfigError(f'{folder} was saved by LeRobot < 0.4 (its normalizer is inside '
                           f'{WEIGHTS_FILE}); convert it with the script '
                           'lerobot/processor/migrate_policy_normalization.py of LeRobot 0.4')
     policy = ACTPolicy(config, pre, output_stats=post)
-    try:
-        policy.load_state_dict(weights, strict=True)
-    except RuntimeError as exc:
-        raise ConfigError(f'{folder / WEIGHTS_FILE} does not match its config.json: '
-                          f'{exc}'[:2000]) from exc
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    policy.to(device)
-    policy.model.to(dtype)  # the normalizer stats and the ensemble stay float32
-    policy.eval()
+    place(policy, weights, folder, device, dtype)
     spec = {'obs_dim': config.state_dim, 'action_dim': config.action_dim,
             'horizon': 1 if policy.ensembling else config.n_action_steps,
             'images': tuple((k, f.shape) for k, f in config.image_features.items()),

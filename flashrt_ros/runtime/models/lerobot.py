@@ -79,8 +79,54 @@ class Feature:
     shape: tuple[int, ...]
 
 
+class LeRobotConfig:
+    """What LeRobot's policy configs share: features, the chunk, normalization, the json."""
+
+    @property
+    def image_features(self) -> dict[str, Feature]:
+        return {k: f for k, f in self.input_features.items() if f.kind == 'VISUAL'}
+
+    @property
+    def action_dim(self) -> int:
+        return self.output_features[ACTION].shape[0]
+
+    def _check_shared(self, bad) -> None:
+        """Check the rules every LeRobot policy config has (images, action, chunk, norms)."""
+        for key, f in self.image_features.items():
+            if len(f.shape) != 3 or f.shape[0] != 3:
+                raise bad('input_features', f'{key}: an image is [3, H, W], got {list(f.shape)}')
+        action = self.output_features.get(ACTION)
+        if action is None or action.kind != 'ACTION' or len(action.shape) != 1:
+            raise bad('output_features', "needs 'action' of type ACTION and shape [dim]")
+        if self.n_obs_steps != 1:
+            raise bad('n_obs_steps', f'must be 1, got {self.n_obs_steps}')
+        if not 1 <= self.n_action_steps <= self.chunk_size:
+            raise bad('n_action_steps', f'must be in 1..chunk_size ({self.chunk_size}), got '
+                      f'{self.n_action_steps}')
+        for ft, mode in self.normalization_mapping.items():
+            if ft not in FEATURE_TYPES:
+                raise bad('normalization_mapping', f'has unknown feature type {ft!r}')
+            if mode not in NORM_MODES:
+                raise bad('normalization_mapping', f'{ft}: unknown mode {mode!r}; one of '
+                          f'{list(NORM_MODES)}')
+
+    def _json(self, kind: str) -> dict[str, Any]:
+        """Return the config.json LeRobot 0.4 writes: its base fields, then the policy's."""
+        d = {'type': kind, **_BASE_FIELDS}
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if name.endswith('_features'):
+                value = {k: {'type': f.kind, 'shape': list(f.shape)} for k, f in value.items()}
+            elif isinstance(value, tuple):
+                value = list(value)
+            elif isinstance(value, dict):
+                value = dict(value)
+            d[name] = value
+        return d
+
+
 @dataclass(frozen=True)
-class ACTConfig:
+class ACTConfig(LeRobotConfig):
     """LeRobot's ACTConfig: the fields that decide the model, LeRobot's defaults."""
 
     input_features: dict[str, Feature] = field(default_factory=dict)
@@ -111,10 +157,6 @@ class ACTConfig:
     optimizer_lr_backbone: float = 1e-5
 
     @property
-    def image_features(self) -> dict[str, Feature]:
-        return {k: f for k, f in self.input_features.items() if f.kind == 'VISUAL'}
-
-    @property
     def state_dim(self) -> int:
         """Width of the robot state LeRobot's ACT reads ('observation.state'), 0 without."""
         f = self.input_features.get(OBS_STATE)
@@ -124,10 +166,6 @@ class ACTConfig:
     def env_dim(self) -> int:
         f = self.input_features.get(OBS_ENV_STATE)
         return f.shape[0] if f is not None and f.kind == 'ENV' else 0
-
-    @property
-    def action_dim(self) -> int:
-        return self.output_features[ACTION].shape[0]
 
     @classmethod
     def from_json(cls, d: Any, source: str = CONFIG_FILE) -> 'ACTConfig':
@@ -156,9 +194,8 @@ class ACTConfig:
 
     def _check(self, bad) -> None:
         """Check the cross-field rules of LeRobot's ACTConfig and what this model supports."""
+        self._check_shared(bad)
         for key, f in self.input_features.items():
-            if f.kind == 'VISUAL' and (len(f.shape) != 3 or f.shape[0] != 3):
-                raise bad('input_features', f'{key}: an image is [3, H, W], got {list(f.shape)}')
             if f.kind in ('STATE', 'ENV') and len(f.shape) != 1:
                 raise bad('input_features', f'{key}: a state is [dim], got {list(f.shape)}')
             if f.kind == 'ENV' and key != OBS_ENV_STATE:
@@ -166,14 +203,6 @@ class ACTConfig:
                           f'{OBS_ENV_STATE!r} only')
         if not self.image_features and not self.env_dim:
             raise bad('input_features', 'needs at least one image or the environment state')
-        action = self.output_features.get(ACTION)
-        if action is None or action.kind != 'ACTION' or len(action.shape) != 1:
-            raise bad('output_features', "needs 'action' of type ACTION and shape [dim]")
-        if self.n_obs_steps != 1:
-            raise bad('n_obs_steps', f'must be 1, got {self.n_obs_steps}')
-        if not 1 <= self.n_action_steps <= self.chunk_size:
-            raise bad('n_action_steps', f'must be in 1..chunk_size ({self.chunk_size}), got '
-                      f'{self.n_action_steps}')
         if self.temporal_ensemble_coeff is not None and self.n_action_steps != 1:
             raise bad('n_action_steps', 'must be 1 with temporal_ensemble_coeff')
         if self.vision_backbone not in RESNET_LAYERS:
@@ -189,24 +218,10 @@ class ACTConfig:
             raise bad('n_heads', f'must divide dim_model ({self.dim_model})')
         if self.dim_model % 4:
             raise bad('dim_model', 'must be a multiple of 4 (the 2D sine embedding)')
-        for ft, mode in self.normalization_mapping.items():
-            if ft not in FEATURE_TYPES:
-                raise bad('normalization_mapping', f'has unknown feature type {ft!r}')
-            if mode not in NORM_MODES:
-                raise bad('normalization_mapping', f'{ft}: unknown mode {mode!r}; one of '
-                          f'{list(NORM_MODES)}')
 
     def to_json(self) -> dict[str, Any]:
         """Return the config.json LeRobot 0.4 writes for it (base fields, then ACT's)."""
-        d = {'type': 'act', **_BASE_FIELDS}
-        for name in self.__dataclass_fields__:
-            value = getattr(self, name)
-            if name.endswith('_features'):
-                value = {k: {'type': f.kind, 'shape': list(f.shape)} for k, f in value.items()}
-            elif isinstance(value, dict):
-                value = dict(value)
-            d[name] = value
-        return d
+        return self._json('act')
 
 
 # Blocks per stage of the torchvision ResNets built from BasicBlock.
@@ -272,6 +287,29 @@ def read_config(path: str | Path) -> dict[str, Any]:
     if not isinstance(d, dict):
         raise ConfigError(f'{file}: must be a JSON object')
     return d
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Return model.safetensors of a checkpoint folder (ConfigError when unreadable)."""
+    try:
+        return load_file(str(folder / WEIGHTS_FILE))
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise ConfigError(f'cannot read {folder / WEIGHTS_FILE}: {exc}') from exc
+
+
+def place(policy: torch.nn.Module, weights: dict[str, torch.Tensor], folder: Path,
+          device, dtype, against: str = 'its config.json') -> None:
+    """Load `weights` strictly, then put the policy on `device` and its model in `dtype`."""
+    try:
+        policy.load_state_dict(weights, strict=True)
+    except RuntimeError as exc:
+        raise ConfigError(f'{folder / WEIGHTS_FILE} does not match {against}: '
+                          f'{exc}'[:2000]) from exc
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    policy.to(device)
+    policy.model.to(dtype)  # the normalizer stats (and ACT's ensemble) stay float32
+    policy.eval()
 
 
 def is_lerobot_checkpoint(path: str | Path) -> bool:

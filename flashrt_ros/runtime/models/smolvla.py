@@ -38,16 +38,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 import torch
 from torch import nn
 import torch.nn.functional as F
 
-from .lerobot import _BASE_FIELDS, _features, _IGNORED_FIELDS, _random_like, ACTION
-from .lerobot import CONFIG_FILE, Feature, FEATURE_TYPES, NORM_MODES, Normalizer, NORMALIZER_EPS
-from .lerobot import NormalizerStats, OBS_IMAGES, OBS_STATE, POSTPROCESSOR_FILE
-from .lerobot import PREPROCESSOR_FILE, read_config, read_normalizers, SMOLVLA_PRE_STEPS
-from .lerobot import WEIGHTS_FILE
+from .lerobot import _features, _IGNORED_FIELDS, _random_like, ACTION, CONFIG_FILE, Feature
+from .lerobot import LeRobotConfig, Normalizer, NORMALIZER_EPS, NormalizerStats, OBS_IMAGES
+from .lerobot import OBS_STATE, place, POSTPROCESSOR_FILE, PREPROCESSOR_FILE, read_config
+from .lerobot import read_normalizers, read_weights, SMOLVLA_PRE_STEPS, WEIGHTS_FILE
 from ..errors import ConfigError, InvalidRequestError
 from ..state.arena import StateSpec
 
@@ -60,7 +59,7 @@ EMPTY_CAMERA = f'{OBS_IMAGES}.empty_camera_'  # the padding cameras `empty_camer
 
 
 @dataclass(frozen=True)
-class SmolVLAConfig:
+class SmolVLAConfig(LeRobotConfig):
     """LeRobot's SmolVLAConfig: the fields inference reads, LeRobot's defaults."""
 
     input_features: dict[str, Feature] = field(default_factory=dict)
@@ -95,10 +94,6 @@ class SmolVLAConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
-    def image_features(self) -> dict[str, Feature]:
-        return {k: f for k, f in self.input_features.items() if f.kind == 'VISUAL'}
-
-    @property
     def camera_features(self) -> dict[str, Feature]:
         """Return the images an observation carries (the empty cameras are LeRobot's padding)."""
         return {k: f for k, f in self.image_features.items() if not k.startswith(EMPTY_CAMERA)}
@@ -106,10 +101,6 @@ class SmolVLAConfig:
     @property
     def state_dim(self) -> int:
         return self.input_features[OBS_STATE].shape[0]
-
-    @property
-    def action_dim(self) -> int:
-        return self.output_features[ACTION].shape[0]
 
     @classmethod
     def from_json(cls, d: Any, source: str = CONFIG_FILE) -> 'SmolVLAConfig':
@@ -137,25 +128,16 @@ class SmolVLAConfig:
 
     def _check(self, bad) -> None:
         """Check LeRobot's rules and what is implemented here (the rest is refused by name)."""
-        for key, f in self.image_features.items():
-            if len(f.shape) != 3 or f.shape[0] != 3:
-                raise bad('input_features', f'{key}: an image is [3, H, W], got {list(f.shape)}')
+        self._check_shared(bad)
         if not self.camera_features:
             raise bad('input_features', 'needs at least one image')
         state = self.input_features.get(OBS_STATE)
         if state is None or state.kind != 'STATE' or len(state.shape) != 1:
             raise bad('input_features', f'needs {OBS_STATE!r} of type STATE and shape [dim]')
-        action = self.output_features.get(ACTION)
-        if action is None or action.kind != 'ACTION' or len(action.shape) != 1:
-            raise bad('output_features', "needs 'action' of type ACTION and shape [dim]")
         if self.state_dim > self.max_state_dim:
             raise bad('max_state_dim', f'must be >= the state width {self.state_dim}')
         if self.action_dim > self.max_action_dim:
             raise bad('max_action_dim', f'must be >= the action width {self.action_dim}')
-        if self.n_obs_steps != 1:
-            raise bad('n_obs_steps', f'must be 1, got {self.n_obs_steps}')
-        if not 1 <= self.n_action_steps <= self.chunk_size:
-            raise bad('n_action_steps', f'must be in 1..chunk_size ({self.chunk_size})')
         for name in ('num_steps', 'tokenizer_max_length', 'num_vlm_layers'):
             if getattr(self, name) < 1:
                 raise bad(name, f'must be >= 1, got {getattr(self, name)}')
@@ -170,25 +152,11 @@ class SmolVLAConfig:
         size = self.resize_imgs_with_padding
         if size is not None and (len(size) != 2 or min(size) < 1):
             raise bad('resize_imgs_with_padding', f'must be [width, height], got {size!r}')
-        for ft, mode in self.normalization_mapping.items():
-            if ft not in FEATURE_TYPES or mode not in NORM_MODES:
-                raise bad('normalization_mapping', f'{ft}: {mode!r} is not a LeRobot mode')
 
     def to_json(self) -> dict[str, Any]:
         """Return the config.json LeRobot 0.4.4 writes for it."""
-        d = {'type': 'smolvla', **_BASE_FIELDS}
-        for name in self.__dataclass_fields__:
-            value = getattr(self, name)
-            if name == 'extra':
-                continue
-            if name.endswith('_features'):
-                value = {k: {'type': f.kind, 'shape': list(f.shape)} for k, f in value.items()}
-            elif isinstance(value, tuple):
-                value = list(value)
-            elif isinstance(value, dict):
-                value = dict(value)
-            d[name] = value
-        d.update(self.extra)
+        d = self._json('smolvla')
+        d.update(d.pop('extra'))
         return d
 
 
@@ -729,24 +697,12 @@ def load_smolvla(path: str | Path, device: str | torch.device = 'cpu',
     vlm_config, tokenizer = load_vlm(find_vlm(config, vlm_path))
     pre, post, normalization = read_normalizers(folder, config, pre_steps=SMOLVLA_PRE_STEPS,
                                                 family='SmolVLA')
-    try:
-        weights = load_file(str(folder / WEIGHTS_FILE))
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise ConfigError(f'cannot read {folder / WEIGHTS_FILE}: {exc}') from exc
+    weights = read_weights(folder)
     policy = SmolVLAPolicy(config, vlm_config, tokenizer, pre, output_stats=post)
     head = 'model.vlm_with_expert.vlm.lm_head.weight'
     if head not in weights and getattr(vlm_config, 'tie_word_embeddings', False):
         weights[head] = weights['model.vlm_with_expert.vlm.model.text_model.embed_tokens.weight']
-    try:
-        policy.load_state_dict(weights, strict=True)
-    except RuntimeError as exc:
-        raise ConfigError(f'{folder / WEIGHTS_FILE} does not match its config.json and the '
-                          f'VLM config: {exc}'[:2000]) from exc
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    policy.to(device)
-    policy.model.to(dtype)
-    policy.eval()
+    place(policy, weights, folder, device, dtype, against='its config.json and the VLM config')
     spec = {'obs_dim': config.state_dim, 'action_dim': config.action_dim,
             'horizon': config.n_action_steps,
             'images': tuple((k, f.shape) for k, f in config.camera_features.items()),

@@ -14,6 +14,7 @@ An act() runs to its end: a preemption waits for it rather than abandon it.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 import time
 
@@ -232,24 +233,36 @@ class PolicyDriver(Driver):
             rt._check_idle()
             return self.control_step(observations, t0)
 
-    def control_step(self, observation: dict[str, torch.Tensor], t0: float) -> ActionChunk:
-        """Fold a checked observation into the state (lock held)."""
+    def _begin(self, steps: int) -> None:
+        """Check that `steps` more observations fit; mark the rows a forward may write."""
         rt, cursor = self.rt, self.rt.cursor
-        steps = self.steps_of(observation)
         if rt.arena.rows and cursor.position + steps > rt.config.max_seq_len:
             raise InvalidRequestError(
                 f'episode is full: position {cursor.position} + {steps} '
                 f'observations > max_seq_len {rt.config.max_seq_len}; reset() or '
                 'restore a capsule first, or raise max_seq_len')
         cursor.extent = max(cursor.extent, cursor.position + steps)
+
+    @contextlib.contextmanager
+    def _guarded(self):
+        """Run a forward over the state (lock held); if it fails, put the queue back too."""
+        rt = self.rt
         left = int(self.left)  # next_action/drop_actions change it, uncommitted
         try:
-            with guarded_forward(rt):
-                actions = self.step(observation, cursor.position, rt.generator)
+            with guarded_forward(rt), torch.no_grad():
+                yield
         except BaseException:
             if rt.ring.depth > 0:  # (else the state was reset)
                 self.left.fill_(left)  # the queue as it was before the call
             raise
+
+    def control_step(self, observation: dict[str, torch.Tensor], t0: float) -> ActionChunk:
+        """Fold a checked observation into the state (lock held)."""
+        rt, cursor = self.rt, self.rt.cursor
+        steps = self.steps_of(observation)
+        self._begin(steps)
+        with self._guarded():
+            actions = self.step(observation, cursor.position, rt.generator)
         cursor.position += steps
         rt.writer.commit()
         if rt.device.type == 'cuda':  # the commit's copy is queued, not done: bill it here
@@ -280,14 +293,9 @@ class PolicyDriver(Driver):
         with rt.writer.lock:
             rt._check_idle()
             x = {k: v.to(self.chunk.device) for k, v in observation.items()}
-            left = int(self.left)
-            try:
-                with guarded_forward(rt), torch.no_grad():
-                    self.adapter.prefix(x)
-            except BaseException:
-                if rt.ring.depth > 0:
-                    self.left.fill_(left)
-                raise
+            self._begin(1)
+            with self._guarded():
+                self.adapter.prefix(x)
             self.left.zero_()  # a chunk of the old prefix is not this observation's
             rt.cursor.position += 1
             rt.writer.commit()
@@ -301,15 +309,8 @@ class PolicyDriver(Driver):
             if rt.cursor.position == 0:
                 raise InvalidRequestError('no observation is encoded yet: encode() or act() '
                                           'first')
-            left = int(self.left)
-            try:
-                with guarded_forward(rt), torch.no_grad():
-                    actions = self.adapter.sample(rt.generator)  # [H, A]
-                self._queue(actions)
-            except BaseException:
-                if rt.ring.depth > 0:
-                    self.left.fill_(left)
-                raise
+            with self._guarded():
+                self._queue(self.adapter.sample(rt.generator))  # [H, A]
             rt.writer.commit()
             self.control_step_s = time.perf_counter() - t0
             return ActionChunk(rt.cursor.position, self.chunk.to('cpu', copy=True),
