@@ -14,7 +14,7 @@ setup(
     packages=find_packages(include=['flashrt_ros', 'flashrt_ros.*']),
     # The trained default model (`model: default`): a checkpoint folder inside the package;
     # the compiled CPU step's C source, built at first use.
-    package_data={'flashrt_ros': ['models/default/*', 'runtime/models/*.c']},
+    package_data={'flashrt_ros': ['models/default/*', 'models/act-arm/*', 'runtime/models/*.c']},
     python_requires='>=3.10',
     # torch is deliberately loose here: install the build that fits the machine (CPU, CUDA,
     # JetPack) first; `make setup` pins the CPU build. The CUDA path (graph capture, pinned

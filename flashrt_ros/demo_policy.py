@@ -2,85 +2,45 @@
 The `make demo-policy` session: execution-state capsules for a robot policy, over ROS 2.
 
 Starts the flashrt node in policy mode with an ACT policy in LeRobot's checkpoint format
-(builtin:act-arm: seeded weights, one top camera, temporal ensembling; one control step per
-observation) and closes the loop with a simulated planar 2-link arm, integrated here in
-plain Python (deterministic): each step publishes the arm's JointState on ~/observation and
-a picture of it from above on ~/image/top with the same stamp, waits for the ActionChunk on
-~/actions and applies its first action (joint torques) for one control period. Then:
-snapshot at a decision point, try branch A, restore, try branch B (a push on the elbow),
-restore again and replay A (its actions must be equal bit for bit: the ensembling buffer is
-in the capsule), roll back a few control steps, e-stop (the action queue is dropped), and
-~/reset to home. Prints a short report, stops the node by PID, exits 0 when every check holds.
-`--model builtin:tiny-policy` runs the same session on the joint-state-only policy.
+(builtin:act-arm: trained here by behaviour cloning to reach a target it sees, one top
+camera, temporal ensembling; one control step per observation) and closes the loop with the
+simulated planar 2-link arm of reach_task, integrated in plain Python (deterministic): each
+step publishes the arm's JointState on ~/observation and a picture of the arm and a green
+target from above on ~/image/top with the same stamp, waits for the ActionChunk on ~/actions
+and sends its first action (joint targets) to the arm's servos for one control period. The
+arm reaches for the target; mid-reach the demo takes a snapshot, lets branch A run, restores,
+runs branch B (a push on the elbow, from which the policy recovers), restores again and
+replays A (its actions must be equal bit for bit: the ensembling buffer is in the capsule),
+rolls back a few control steps, e-stops (the action queue is dropped) and resets to home.
+Prints a short report and writes a plot of the reach (demo-policy.png, in FLASHRT_DEMO_OUT or
+the current folder), stops the node by PID, exits 0 when every check holds.
+`--model builtin:tiny-policy` runs the same session on the joint-state-only random policy.
 """
 
 import math
+import os
 import sys
 import time
 
+from flashrt_ros import reach_task as task
 from flashrt_ros.demo import _wait_event, run_demo  # the `make demo` helpers
-import numpy as np
+from flashrt_ros.reach_task import Arm, CAMERA, JOINTS
 
-JOINTS = ('shoulder', 'elbow')
-DT = 0.05  # s per control step
-BRANCH_STEPS = 15
-
-
-class Arm:
-    """A horizontal planar 2-link arm (unit masses at the link ends, unit lengths, damped)."""
-
-    def __init__(self, q=(0.3, 0.6), dq=(0.0, 0.0)):
-        self.q, self.dq = list(q), list(dq)
-
-    def copy(self):
-        return Arm(self.q, self.dq)
-
-    def step(self, torque, substeps=5, damping=0.5):
-        """Integrate M(q) ddq + c(q, dq) + b dq = torque for DT (semi-implicit Euler)."""
-        h = DT / substeps
-        for _ in range(substeps):
-            c2, s2 = math.cos(self.q[1]), math.sin(self.q[1])
-            m11, m12, m22 = 3.0 + 2.0 * c2, 1.0 + c2, 1.0
-            coriolis = (-s2 * (2.0 * self.dq[0] * self.dq[1] + self.dq[1] ** 2),
-                        s2 * self.dq[0] ** 2)
-            f = [torque[i] - coriolis[i] - damping * self.dq[i] for i in range(2)]
-            det = m11 * m22 - m12 * m12
-            ddq = ((m22 * f[0] - m12 * f[1]) / det, (m11 * f[1] - m12 * f[0]) / det)
-            for i in range(2):
-                self.dq[i] += h * ddq[i]
-                self.q[i] += h * self.dq[i]
-
-    def tip(self):
-        """Return the end-effector (x, y)."""
-        a, b = self.q[0], self.q[0] + self.q[1]
-        return math.cos(a) + math.cos(b), math.sin(a) + math.sin(b)
-
-
-CAMERA = (96, 128)  # height, width of the top camera's picture
-
-
-def picture(q):
-    """Draw the arm at joint angles q from above: rgb8 bytes, CAMERA[0] rows of CAMERA[1]."""
-    h, w = CAMERA
-    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
-    scale, base = h / 5.0, (w / 2.0, h / 2.0)
-    elbow = (base[0] + scale * math.cos(q[0]), base[1] + scale * math.sin(q[0]))
-    tip = (elbow[0] + scale * math.cos(q[0] + q[1]), elbow[1] + scale * math.sin(q[0] + q[1]))
-    image = np.full((h, w, 3), (40, 40, 48), dtype=np.uint8)
-    for (ax, ay), (bx, by), colour in ((base, elbow, (230, 120, 40)),
-                                       (elbow, tip, (60, 160, 230))):
-        dx, dy = bx - ax, by - ay
-        t = np.clip(((x - ax) * dx + (y - ay) * dy) / (dx * dx + dy * dy), 0.0, 1.0)
-        near = (x - ax - t * dx) ** 2 + (y - ay - t * dy) ** 2 < 9.0  # a 3-pixel half width
-        image[near] = colour
-    return image.tobytes()
+DECISION_STEP = 8  # the snapshot is taken mid-reach
+BRANCH_STEPS = 30
+TARGET = (-0.55, 1.45)  # the green disc; the training scenes drew targets at random
+START = (-1.2, 0.4)
+PUSH = 3.0  # rad/s added to the elbow's speed in branch B
+PLOT = 'demo-policy.png'
+NOTE = ('act-arm is trained by behaviour cloning, flashrt_ros.train_policy; a random-weight '
+        'policy does not aim')
 
 
 class Loop:
     """The arm and the node in lock step: one observation out, one ActionChunk back."""
 
-    def __init__(self, client, camera):
-        self.client, self.camera = client, camera
+    def __init__(self, client, camera, target):
+        self.client, self.camera, self.target = client, camera, target
         self.chunks = []
         client.subscribe_actions(self.chunks.append)
         time.sleep(0.3)
@@ -90,7 +50,8 @@ class Loop:
         start = len(self.chunks)
         stamp = self.client.now()
         if self.camera:
-            self.client.publish_image('top', picture(q), *CAMERA, stamp=stamp)
+            self.client.publish_image('top', task.picture(q, self.target).tobytes(), *CAMERA,
+                                      stamp=stamp)
         self.client.publish_joint_state(JOINTS, q, dq, stamp=stamp)
         deadline = time.monotonic() + timeout
         while len(self.chunks) == start:
@@ -102,11 +63,17 @@ class Loop:
     def step(self, arm):
         """Run one control step; return the chunk's actions (a tuple of float32 values)."""
         chunk = self.observe(arm.q, arm.dq)
-        arm.step(chunk.actions[:chunk.action_dim])  # execute the first action of the chunk
+        arm.step(chunk.actions[:chunk.action_dim])  # the first action: the joint targets
         return tuple(chunk.actions)
 
-    def run(self, arm, steps):
-        return [self.step(arm) for _ in range(steps)]
+    def run(self, arm, steps, path=None):
+        """Run `steps` control steps; append the arm after each to `path` (a list) if given."""
+        actions = []
+        for _ in range(steps):
+            actions.append(self.step(arm))
+            if path is not None:
+                path.append(arm.copy())
+        return actions
 
 
 def _takes_images(client, timeout=3.0):
@@ -120,32 +87,74 @@ def _takes_images(client, timeout=3.0):
     return False
 
 
-def _tip(arm):
-    x, y = arm.tip()
-    return f'({x:+.3f}, {y:+.3f})'
+def _errors(path):
+    """Return the tip's distance to the target along a path, every fifth step and the last."""
+    picks = [a.error(TARGET) for a in path[4::5]]
+    if (len(path) - 1) % 5 != 4:
+        picks.append(path[-1].error(TARGET))
+    return ' -> '.join(f'{e:.2f}' for e in picks)
 
 
-def _run_session(client, report, events):
+def plot(before, branch_a, branch_b, path):
+    """Draw the reach (top view) and the tip's error per control step; return the PNG path."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    fig, (top, err) = plt.subplots(1, 2, figsize=(10, 4.2))
+    top.add_patch(plt.Circle(TARGET, 4 / task.SCALE, color=(0.35, 0.86, 0.35), label='target'))
+    for arms, colour, label in ((before + branch_a, 'tab:blue', 'A: as is'),
+                                (branch_b, 'tab:orange', 'B: the elbow pushed')):
+        tips = [a.tip() for a in arms]
+        top.plot(*zip(*tips), '.-', color=colour, ms=3, lw=1, label=label)
+    for arm, style in ((before[0], ':'), (before[-1], '--'), (branch_a[-1], '-')):
+        x1, y1 = arm.tip()
+        ex, ey = math.cos(arm.q[0]), math.sin(arm.q[0])
+        top.plot([0, ex, x1], [0, ey, y1], style, color='0.3', lw=2)
+    top.set_aspect('equal')
+    top.set_xlim(-2.2, 2.2)
+    top.set_ylim(-2.2, 2.2)
+    top.set_title("top view: the tip's path (arm at start, decision point, end of A)")
+    top.legend(loc='lower left', fontsize=8)
+    n = len(before)
+    err.plot(range(1, n + len(branch_a) + 1), [a.error(TARGET) for a in before + branch_a],
+             color='tab:blue', label='A: as is')
+    err.plot(range(n + 1, n + len(branch_b) + 1), [a.error(TARGET) for a in branch_b],
+             color='tab:orange', label='B: the elbow pushed at the decision point')
+    err.axvline(n, color='0.5', ls='--', lw=1)
+    err.set_xlabel(f'control step ({task.DT * 1e3:.0f} ms)')
+    err.set_ylabel('tip to target (link lengths)')
+    err.set_title('error to the target; the snapshot at the dashed line')
+    err.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _run_session(client, report, events, trained):
     from flashrt_ros.msg import Interrupt
 
-    loop = Loop(client, camera=_takes_images(client))
+    loop = Loop(client, camera=_takes_images(client), target=TARGET)
     report.section('Home capsule (empty policy state, taken at activation)')
     home = {c.name: c for c in client.list_capsules().capsules}['home']
     home_digest = client.state_digest()
     report.line(f'home: step {home.position}, {home.size_bytes} bytes on {home.tier}, '
                 f'components {", ".join(home.components)}')
 
-    report.section('Close the loop: arm -> ~/observation -> policy -> ~/actions -> arm')
-    arm = Arm()
+    report.section('Reach: camera + joints -> ~/image/top, ~/observation -> policy -> ~/actions')
+    arm = Arm(START)
+    report.line(f'target at ({TARGET[0]:+.2f}, {TARGET[1]:+.2f}); the tip starts '
+                f'{arm.error(TARGET):.2f} link lengths away')
     t0 = time.perf_counter()
-    history = [(list(arm.q), list(arm.dq))]
-    for _ in range(20):
-        loop.step(arm)
+    before, history = [arm.copy()], []
+    for _ in range(DECISION_STEP):
         history.append((list(arm.q), list(arm.dq)))
-    history.pop()  # the observations the policy has seen
-    loop_ms = (time.perf_counter() - t0) / 20 * 1e3
-    report.line(f'20 control steps, {loop_ms:.1f} ms per round trip over DDS; tip now '
-                f'{_tip(arm)}')
+        loop.step(arm)
+        before.append(arm.copy())
+    loop_ms = (time.perf_counter() - t0) / DECISION_STEP * 1e3
+    report.line(f'{DECISION_STEP} control steps, {loop_ms:.1f} ms per round trip over DDS; '
+                f'error {_errors(before)}')
 
     report.section('Decision point: snapshot the policy state (the demo keeps the arm state)')
     snap = client.snapshot('decision')
@@ -154,15 +163,16 @@ def _run_session(client, report, events):
                 f'bytes, {snap.latency_ms:.3f} ms')
     report.check(snap.success, 'snapshot taken at a committed control step')
 
-    report.section(f'Branch A: {BRANCH_STEPS} steps as is')
+    report.section(f'Branch A: {BRANCH_STEPS} more steps as is')
     arm = decision_arm.copy()
-    arms_a = []
-    branch_a = []
-    for _ in range(BRANCH_STEPS):
-        arms_a.append(arm.copy())
-        branch_a.append(loop.step(arm))
-    tip_a, digest_a = _tip(arm), client.state_digest()
-    report.line(f'tip after A: {tip_a}')
+    path_a = []
+    branch_a = loop.run(arm, BRANCH_STEPS, path_a)
+    tip_a, digest_a = task.Arm(arm.q).tip(), client.state_digest()
+    report.line(f'error {_errors(path_a)}')
+    if trained:
+        report.check(arm.error(TARGET) < before[0].error(TARGET) / 4,
+                     f'the arm reached for the target: error {before[0].error(TARGET):.2f} -> '
+                     f'{arm.error(TARGET):.3f}')
 
     report.section('Restore `decision`; branch B: the elbow gets a push')
     restore = client.restore('decision')
@@ -170,9 +180,10 @@ def _run_session(client, report, events):
                  f'restored in {restore.latency_ms:.3f} ms, state byte-identical to the '
                  'snapshot')
     arm = decision_arm.copy()
-    arm.dq[1] += 2.0
-    branch_b = loop.run(arm, BRANCH_STEPS)
-    report.line(f'tip after B: {_tip(arm)}')
+    arm.dq[1] += PUSH
+    path_b = []
+    branch_b = loop.run(arm, BRANCH_STEPS, path_b)
+    report.line(f'error {_errors(path_b)}')
     report.check(branch_b != branch_a, 'branch B acts differently from branch A')
 
     report.section('Restore `decision` again and replay A')
@@ -182,12 +193,12 @@ def _run_session(client, report, events):
     same = sum(x == y for x, y in zip(replay, branch_a))
     report.check(replay == branch_a, f'replayed actions equal A bit for bit ({same}/'
                  f'{BRANCH_STEPS} chunks)')
-    report.check(client.state_digest() == digest_a and _tip(arm) == tip_a,
+    report.check(client.state_digest() == digest_a and task.Arm(arm.q).tip() == tip_a,
                  'policy state digest and arm position equal the end of A')
 
     report.section('Roll back 5 control steps and redo them')
     rolled = client.rollback(5)
-    redo = loop.run(arms_a[-5].copy(), 5)
+    redo = loop.run(path_a[-6].copy(), 5)
     report.check(rolled.success and redo == branch_a[-5:],
                  f'rollback to step {rolled.position} in {rolled.latency_ms:.3f} ms; the '
                  'redone steps equal A')
@@ -218,9 +229,14 @@ def _run_session(client, report, events):
         time.sleep(0.02)
     report.check(client.state_digest() == home_digest, 'back to home, byte for byte')
 
+    out = os.environ.get('FLASHRT_DEMO_OUT') or '.'
+    os.makedirs(out, exist_ok=True)
+    report.line('')
+    report.line(f'plot of the reach: {plot(before, path_a, path_b, os.path.join(out, PLOT))}')
+
 
 def _policy_session(node, client, workdir, params, report, events):
-    _run_session(client, report, events)
+    _run_session(client, report, events, trained=params['model'] == 'builtin:act-arm')
     return node, client
 
 
@@ -229,9 +245,7 @@ def main(argv=None):
     return run_demo(argv, doc=__doc__, title='policy demo', default_model='builtin:act-arm',
                     params={'mode': 'policy', 'max_seq_len': 1024, 'interrupt_policy': 'stop',
                             'joint_names': list(JOINTS)},
-                    random_note='seeded weights: the arm does not reach for anything; the '
-                                'state handling is real',
-                    session=_policy_session)
+                    random_note=NOTE, session=_policy_session)
 
 
 if __name__ == '__main__':

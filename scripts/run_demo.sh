@@ -9,6 +9,8 @@ cd "$root"
 export ROS_DOMAIN_ID=${ROS_DOMAIN_ID:-$(( ($$ % 100) + 1 ))}
 export ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST
 export PYTHONDONTWRITEBYTECODE=1
+# Files a demo writes (the policy demo's plot) go to build/.
+export FLASHRT_DEMO_OUT=${FLASHRT_DEMO_OUT:-$root/build}
 # Run from outside the source tree so `flashrt_ros` (with its generated msg/srv/action
 # modules) is imported from install/, not from the source folder.
 cd "${TMPDIR:-/tmp}"

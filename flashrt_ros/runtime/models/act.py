@@ -312,27 +312,29 @@ class ACT(nn.Module):
 
     def forward(self, state: torch.Tensor | None, env: torch.Tensor | None,
                 images: list[torch.Tensor]) -> torch.Tensor:
-        """Map normalized [1, dim] states and [1, 3, H, W] images to [chunk_size, action_dim]."""
+        """Map normalized [B, dim] states and [B, 3, H, W] images to [B, chunk, action_dim]."""
         c = self.config
         weight = self.encoder_latent_input_proj.weight
-        latent = torch.zeros(1, c.latent_dim, dtype=weight.dtype, device=weight.device)
-        tokens = [self.encoder_latent_input_proj(latent)]  # each [1, D]
+        batch = (state if state is not None else env if env is not None else images[0]).shape[0]
+        latent = torch.zeros(batch, c.latent_dim, dtype=weight.dtype, device=weight.device)
+        tokens = [self.encoder_latent_input_proj(latent)]  # each [B, D]
         if state is not None:
             tokens.append(self.encoder_robot_state_input_proj(state))
         if env is not None:
             tokens.append(self.encoder_env_state_input_proj(env))
-        tokens = [torch.stack(tokens)]  # [n, 1, D]
+        tokens = [torch.stack(tokens)]  # [n, B, D]
         pos = [self.encoder_1d_feature_pos_embed.weight.unsqueeze(1)]  # [n, 1, D]
         for image in images:
-            features = self.backbone(image)  # [1, 512, h, w]
+            features = self.backbone(image)  # [B, 512, h, w]
             pos.append(self.pixel_pos(*features.shape[-2:], features))  # [h*w, 1, D]
-            features = self.encoder_img_feat_input_proj(features)  # [1, D, h, w]
-            tokens.append(features.flatten(2).permute(2, 0, 1))  # [h*w, 1, D]
-        tokens, pos = torch.cat(tokens), torch.cat(pos)  # [S, 1, D]
+            features = self.encoder_img_feat_input_proj(features)  # [B, D, h, w]
+            tokens.append(features.flatten(2).permute(2, 0, 1))  # [h*w, B, D]
+        tokens, pos = torch.cat(tokens), torch.cat(pos)  # [S, B, D], [S, 1, D]
         memory = self.encoder(tokens, pos)
-        queries = torch.zeros(c.chunk_size, 1, c.dim_model, dtype=pos.dtype, device=pos.device)
+        queries = torch.zeros(c.chunk_size, batch, c.dim_model, dtype=pos.dtype,
+                              device=pos.device)
         out = self.decoder(queries, memory, self.decoder_pos_embed.weight.unsqueeze(1), pos)
-        return self.action_head(out[:, 0])  # [chunk_size, action_dim]
+        return self.action_head(out.transpose(0, 1))  # [B, chunk_size, action_dim]
 
 
 class ACTPolicy(nn.Module):
@@ -391,7 +393,7 @@ class ACTPolicy(nn.Module):
         [n_action_steps, action_dim]; with temporal ensembling [1, action_dim], the ensemble
         advanced by one step. ACT draws no noise: position and generator are unused.
         """
-        chunk = self.model(*self._inputs(observation)).float()  # [chunk_size, A], normalized
+        chunk = self.model(*self._inputs(observation))[0].float()  # [chunk_size, A], normalized
         if not self.ensembling:
             return self.unnormalize('action', chunk[:self.config.n_action_steps])
         return self.unnormalize('action', self._ensemble(chunk))
@@ -399,7 +401,7 @@ class ACTPolicy(nn.Module):
     @torch.inference_mode()
     def predict_chunk(self, observation: dict[str, torch.Tensor]) -> torch.Tensor:
         """Return the whole unnormalized chunk [chunk_size, action_dim]; no state changes."""
-        return self.unnormalize('action', self.model(*self._inputs(observation)).float())
+        return self.unnormalize('action', self.model(*self._inputs(observation))[0].float())
 
     def _inputs(self, observation: dict[str, torch.Tensor]):
         c = self.config

@@ -8,6 +8,7 @@ is NOT meaningful text; point `model` at a local checkpoint directory for a real
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,6 +17,8 @@ from ..errors import ConfigError
 
 VOCAB = 264  # 256 bytes + <bos>/<eos>/<pad>, padded up to a multiple of 8
 SEED = 1234
+# The package's trained models (train_default.py, train_policy.py): one folder each.
+TRAINED_DIR = Path(__file__).resolve().parents[2] / 'models'
 # transformers' default init (std 0.02) makes tiny random models nearly context-blind
 # (LFM2 and Llama then repeat one token whatever the state); std 0.1 makes the next
 # token depend on the whole state, which is what the exactness/ablation tests need.
@@ -97,11 +100,13 @@ POLICY_BUILTINS: dict[str, dict[str, Any]] = {
 
 # LeRobot-format policies (models/lerobot.py): written once from their seed into the cache
 # folder, then loaded from there by the code that loads a user's LeRobot checkpoint.
-_IMAGENET = {'mean': [0.485, 0.456, 0.406], 'std': [0.229, 0.224, 0.225]}
 LEROBOT_BUILTINS: dict[str, dict[str, Any]] = {
-    # The demo's 2-link arm: joint positions and a 96x128 top camera in, joint torques out;
-    # 20-step chunks blended by temporal ensembling (its buffer is state, so capsules hold it).
+    # The demo's 2-link arm (reach_task): joint angles and a 96x128 top camera in, joint
+    # targets out; 20-step chunks blended by temporal ensembling (its buffer is state, so
+    # capsules hold it). Trained by train_policy.py: its folder's trained.safetensors is
+    # laid over the seeded weights and its training.json gives the normalizer stats.
     'act-arm': {
+        'trained': 'act-arm',
         'config': {
             'input_features': {
                 'observation.state': {'type': 'STATE', 'shape': [2]},
@@ -110,11 +115,7 @@ LEROBOT_BUILTINS: dict[str, dict[str, Any]] = {
             'chunk_size': 20, 'n_action_steps': 1, 'temporal_ensemble_coeff': 0.01,
             'pretrained_backbone_weights': None, 'dim_model': 64, 'n_heads': 4,
             'dim_feedforward': 256, 'n_encoder_layers': 2, 'n_decoder_layers': 1,
-            'latent_dim': 8, 'n_vae_encoder_layers': 1},
-        'stats': {
-            'observation.state': {'mean': [0.0, 0.0], 'std': [1.0, 1.0]},
-            'observation.images.top': _IMAGENET,
-            'action': {'mean': [0.0, 0.0], 'std': [0.5, 0.5]}},
+            'latent_dim': 8, 'n_vae_encoder_layers': 1, 'use_vae': False},
     },
 }
 

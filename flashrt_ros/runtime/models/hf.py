@@ -18,6 +18,7 @@ import torch
 from . import cpu_step
 from .base import CausalLMAdapter
 from .binding import BindingDelegate, CacheBinding, module_fingerprint, PROBE_TOKENS
+from .builtin import TRAINED_DIR
 from .fastpath import DecodeFastPath, refusal
 from .kernels import route_kernels
 from .tokenizer import ByteTokenizer, HFTokenizer
@@ -26,7 +27,7 @@ from ..inference import inference
 from ..state.arena import StateSpec
 
 DEFAULT_MODEL = 'default'  # the short name of the trained checkpoint installed with the package
-DEFAULT_DIR = Path(__file__).resolve().parents[2] / 'models' / 'default'
+DEFAULT_DIR = TRAINED_DIR / 'default'
 
 # Config keys that say where/how a model was saved, not what it computes; left out of the
 # fingerprint so a built-in model and its save_pretrained copy are the same model.

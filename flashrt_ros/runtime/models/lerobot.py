@@ -467,6 +467,7 @@ TINY_ACT = {
 
 def save_act_checkpoint(directory: str | Path, *, seed: int = 0,
                         stats: dict[str, dict[str, Any]] | None = None,
+                        overlay: dict[str, torch.Tensor] | None = None,
                         **config_overrides: Any) -> Path:
     """
     Write a random-weight ACT as LeRobot saves one; return the folder.
@@ -474,27 +475,36 @@ def save_act_checkpoint(directory: str | Path, *, seed: int = 0,
     The config is TINY_ACT updated with `config_overrides` (any ACTConfig field;
     features in config.json's form). With `stats` ({feature: {stat: tensor}}) the two
     processor pipelines and their normalizer files are written too, as LeRobot's
-    training script does; image stats of shape [C] are stored as [C, 1, 1].
+    training script does; image stats of shape [C] are stored as [C, 1, 1]. `overlay`
+    (LeRobot weight names) replaces those seeded weights: a trained part.
     """
-    from .act import ACTPolicy, sine_table  # act.py reads its config through this module
+    from .act import ACTPolicy  # act.py reads its config through this module
 
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
     config = ACTConfig.from_json({'type': 'act', **TINY_ACT, **config_overrides},
                                  'save_act_checkpoint')
-    policy = ACTPolicy(config)
-    g = torch.Generator().manual_seed(seed)
-    state = policy.model.state_dict()
-    weights = {f'model.{k}': _random_like(k, v, g) for k, v in state.items()
-               if k != 'vae_encoder_pos_enc'}
-    if config.use_vae:  # a fixed table, not a weight
-        shape = state['vae_encoder_pos_enc'].shape  # [1, tokens, dim_model]
-        weights['model.vae_encoder_pos_enc'] = sine_table(shape[1], shape[2]).unsqueeze(0)
+    weights = seeded_weights(ACTPolicy(config), seed)
+    weights.update(overlay or {})
     (folder / CONFIG_FILE).write_text(json.dumps(config.to_json(), indent=4))
     save_file(weights, str(folder / WEIGHTS_FILE))
     if stats is not None:
         _save_processors(folder, config, stats)
     return folder
+
+
+def seeded_weights(policy: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded weights of a plausible scale for every entry of an ACT's state dict."""
+    from .act import sine_table
+
+    g = torch.Generator().manual_seed(seed)
+    state = policy.model.state_dict()
+    weights = {f'model.{k}': _random_like(k, v, g) for k, v in state.items()
+               if k != 'vae_encoder_pos_enc'}
+    if 'vae_encoder_pos_enc' in state:  # a fixed table, not a weight
+        shape = state['vae_encoder_pos_enc'].shape  # [1, tokens, dim_model]
+        weights['model.vae_encoder_pos_enc'] = sine_table(shape[1], shape[2]).unsqueeze(0)
+    return weights
 
 
 def _random_like(name: str, t: torch.Tensor, g: torch.Generator) -> torch.Tensor:

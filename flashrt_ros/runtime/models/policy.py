@@ -83,7 +83,7 @@ import torch
 
 from .base import PolicyAdapter, PolicySpec
 from .binding import BindingDelegate, CacheBinding, module_fingerprint, PROBE_TOKENS
-from .builtin import LEROBOT_BUILTINS, POLICY_BUILTINS, SEED
+from .builtin import LEROBOT_BUILTINS, POLICY_BUILTINS, SEED, TRAINED_DIR
 from .kernels import route_kernels
 from ..errors import ConfigError, FlashRTError
 from ..state.arena import StateSpec
@@ -404,6 +404,9 @@ def builtin_checkpoint(name: str) -> Path:
     """
     Return the folder of LeRobot-format built-in `name`, writing it first if need be.
 
+    A trained built-in's weights are its seeded ones with its folder's trained.safetensors
+    laid over them, its normalizer stats those of its training.json.
+
     It lives in the user's cache under a digest of its recipe, so a changed recipe is a new
     folder; it is written to a temporary folder and renamed, so a reader never sees half.
     """
@@ -415,7 +418,12 @@ def builtin_checkpoint(name: str) -> Path:
     from .lerobot import save_act_checkpoint
 
     recipe = LEROBOT_BUILTINS[name]
-    digest = hashlib.sha256(json.dumps([recipe, SEED], sort_keys=True).encode()).hexdigest()
+    trained = TRAINED_DIR / recipe['trained'] if 'trained' in recipe else None
+    overlay_bytes = (trained / 'trained.safetensors').read_bytes() if trained else b''
+    stats = (json.loads((trained / 'training.json').read_text())['stats'] if trained
+             else recipe['stats'])
+    digest = hashlib.sha256(json.dumps([recipe, SEED, stats], sort_keys=True).encode()
+                            + overlay_bytes).hexdigest()
     cache = Path(os.environ.get('XDG_CACHE_HOME') or Path.home() / '.cache')
     folder = cache / 'flashrt_ros' / 'builtin' / f'{name}-{digest[:12]}'
     if folder.is_dir():
@@ -423,9 +431,11 @@ def builtin_checkpoint(name: str) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f'.{name}-', dir=folder.parent))
     try:
-        stats = {k: {s: torch.tensor(v) for s, v in d.items()}
-                 for k, d in recipe['stats'].items()}
-        save_act_checkpoint(scratch, seed=SEED, stats=stats, **recipe['config'])
+        from safetensors.torch import load as load_tensors
+
+        stats = {k: {s: torch.tensor(v) for s, v in d.items()} for k, d in stats.items()}
+        overlay = load_tensors(overlay_bytes) if trained else None
+        save_act_checkpoint(scratch, seed=SEED, stats=stats, overlay=overlay, **recipe['config'])
         os.rename(scratch, folder)
     except OSError:
         if not folder.is_dir():  # not another process's rename that won: a real failure
