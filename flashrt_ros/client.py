@@ -434,8 +434,9 @@ class FlashRTClient:
 
     def interrupt(self, mode=Interrupt.POLICY, boundaries=0, capsule='', reason=''):
         """Publish an Interrupt message: mode POLICY, STOP, ROLLBACK or RESTORE."""
-        self._interrupt_pub.publish(Interrupt(mode=mode, boundaries=boundaries,
-                                              capsule=capsule, reason=reason))
+        msg = Interrupt(mode=mode, boundaries=boundaries, capsule=capsule, reason=reason)
+        refuse_nul(msg)  # a RESTORE of 'a\0b' would restore 'a'
+        self._interrupt_pub.publish(msg)
 
     def reset(self):
         """Publish ~/reset: the node stops and restores its home capsule."""

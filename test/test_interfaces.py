@@ -127,9 +127,11 @@ def test_token_chunk_published_and_received(ros_context):
 def test_the_client_refuses_a_nul_byte_the_middleware_would_cut_at():
     from flashrt_ros.action import Generate, ImportCapsule
     from flashrt_ros.client import refuse_nul
+    from flashrt_ros.msg import Interrupt
     from flashrt_ros.srv import Fork, Snapshot
 
     for msg in (Snapshot.Request(name='fz\0cut'), Fork.Request(source='a', target='b\0'),
+                Interrupt(mode=Interrupt.RESTORE, capsule='home\0x'),
                 ImportCapsule.Goal(source_node='/n', source_name='x\0y'),
                 Generate.Goal(prompt='hi', stop=['ok', 'a\0b'])):
         with pytest.raises(ValueError, match='NUL byte'):
