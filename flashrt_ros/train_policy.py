@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 import sys
 import time
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 
 from . import reach_task as task
+from .train_default import learning_rate  # warm-up, then cosine decay to min_lr
 
 SEED = 23
 DEFAULT_OUT = Path(__file__).parent / 'models' / 'act-arm'
@@ -110,14 +110,6 @@ def task_stats(samples: Samples, n: int = 4096) -> dict:
     return {'observation.state': {'mean': qs.mean(0).tolist(), 'std': qs.std(0).tolist()},
             'observation.images.top': imagenet,
             'action': {'mean': chunks.mean(0).tolist(), 'std': chunks.std(0).tolist()}}
-
-
-def learning_rate(step: int, hp: dict) -> float:
-    """Linear warm-up, then cosine decay to min_lr."""
-    if step < hp['warmup']:
-        return hp['lr'] * (step + 1) / hp['warmup']
-    t = (step - hp['warmup']) / max(1, hp['steps'] - hp['warmup'])
-    return hp['min_lr'] + 0.5 * (hp['lr'] - hp['min_lr']) * (1 + math.cos(math.pi * t))
 
 
 def is_trained(name: str) -> bool:
