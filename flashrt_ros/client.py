@@ -430,7 +430,9 @@ class FlashRTClient:
 
     def publish_prompt(self, text):
         """Start a turn through ~/prompt (no feedback; watch ~/tokens)."""
-        self._prompt_pub.publish(String(data=text))
+        msg = String(data=text)
+        refuse_nul(msg)  # the node would read the prompt up to the NUL
+        self._prompt_pub.publish(msg)
 
     def interrupt(self, mode=Interrupt.POLICY, boundaries=0, capsule='', reason=''):
         """Publish an Interrupt message: mode POLICY, STOP, ROLLBACK or RESTORE."""
@@ -452,6 +454,7 @@ class FlashRTClient:
                          velocity=[float(v) for v in velocity],
                          effort=[float(v) for v in effort])
         msg.header.stamp = stamp or self.node.get_clock().now().to_msg()
+        refuse_nul(msg)  # joint names are matched by name
         self._joint_state_pub.publish(msg)
 
     def publish_image(self, camera, pixels, height, width, encoding='rgb8', stamp=None,
@@ -472,7 +475,9 @@ class FlashRTClient:
 
     def publish_instruction(self, text):
         """Publish a VLA policy's instruction on ~/instruction (transient local: it stays)."""
-        self._instruction_pub.publish(String(data=str(text)))
+        msg = String(data=str(text))
+        refuse_nul(msg)
+        self._instruction_pub.publish(msg)
 
     def now(self):
         """Return the client node's clock now, as a builtin_interfaces/Time (for stamps)."""

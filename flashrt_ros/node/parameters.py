@@ -20,13 +20,13 @@ from .messages import TRAJECTORY_FIELDS
 # Parameters that build the Runtime; a change takes effect at the next configure.
 RUNTIME_PARAMS = tuple(f.name for f in dataclasses.fields(RuntimeConfig))
 # Set at start-up only: a peer on the DDS domain must not point the node at another model
-# or directory, change what it may hold in memory or on disk (the arena's length, the ring,
-# the budgets, whether capsules are evicted), unprotect the home capsule or slow the
-# control path.
+# or directory, change what it may hold in memory or on disk (the arena's length and dtype,
+# the ring, the budgets, whether capsules are evicted), unprotect the home capsule or rewrite
+# it (its system prompt, taken again at the next configure) or slow the control path.
 READ_ONLY = ('model', 'device', 'capsule_dir', 'device_budget_bytes', 'host_budget_bytes',
              'disk_budget_bytes', 'max_seq_len', 'rollback_depth', 'ring_budget_bytes',
              'eviction', 'home_capsule', 'protect_home', 'control_executor', 'control_priority',
-             'compute_threads', 'export_allowed')
+             'compute_threads', 'export_allowed', 'dtype', 'system_prompt')
 EXPORT_POLICIES = ('unpinned', 'all', 'none')
 # Each node keeps its disk capsules apart: {node} is its fully qualified name.
 DEFAULT_CAPSULE_DIR = '~/.cache/flashrt_ros/capsules/{node}'
@@ -252,7 +252,21 @@ def declare(node):
         problem = choice_problem(parameter.name, parameter.value)
         if problem:
             node.get_logger().error(problem)
+    node.add_pre_set_parameters_callback(_type_empty_arrays)
     node.add_on_set_parameters_callback(_validate)
+
+
+STRING_ARRAYS = tuple(p.name for p in PARAMETERS if p.string_array)
+_ARRAYS = (Parameter.Type.BYTE_ARRAY, Parameter.Type.BOOL_ARRAY, Parameter.Type.INTEGER_ARRAY,
+           Parameter.Type.DOUBLE_ARRAY)
+
+
+def _type_empty_arrays(parameters):
+    # An empty list carries no element type (rclpy and `ros2 param set` pick another array
+    # kind), so an empty array for a string-array parameter is taken as an empty string array.
+    return [Parameter(p.name, Parameter.Type.STRING_ARRAY, [])
+            if p.name in STRING_ARRAYS and p.type_ in _ARRAYS and len(p.value) == 0 else p
+            for p in parameters]
 
 
 def _validate(parameters):

@@ -82,6 +82,11 @@ def set_parameter(client, name, value):
         value = ParameterValue(type=ParameterType.PARAMETER_INTEGER, integer_value=value)
     elif isinstance(value, float):
         value = ParameterValue(type=ParameterType.PARAMETER_DOUBLE, double_value=value)
+    elif isinstance(value, list) and not value:  # what `ros2 param set x '[]'` sends
+        value = ParameterValue(type=ParameterType.PARAMETER_BOOL_ARRAY, bool_array_value=[])
+    elif isinstance(value, list):
+        value = ParameterValue(type=ParameterType.PARAMETER_STRING_ARRAY,
+                               string_array_value=value)
     else:
         value = ParameterValue(type=ParameterType.PARAMETER_STRING, string_value=value)
     cli = client.node.create_client(SetParameters, f'{client.base}/set_parameters')

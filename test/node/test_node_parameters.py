@@ -80,8 +80,14 @@ def _declared(tmp_path, args):
         try:
             value = node.get_parameter('stop_strings')
             result = node.set_parameters([Parameter('stop_strings', value=['x', 'y'])])[0]
-            return value.type_, list(value.value), result.successful, list(
-                node.get_parameter('stop_strings').value)
+            after = list(node.get_parameter('stop_strings').value)
+            # An empty list is typed as another array kind (a byte array here; `ros2 param
+            # set` sends its own guess): it empties the string array all the same.
+            emptied = node.set_parameters([Parameter('stop_strings', value=[])])[0]
+            stored = node.get_parameter('stop_strings')
+            assert emptied.successful, emptied.reason
+            assert stored.type_ == Parameter.Type.STRING_ARRAY and list(stored.value) == []
+            return value.type_, list(value.value), result.successful, after
         finally:
             node.destroy_node()
     finally:

@@ -9,7 +9,10 @@ import threading
 import time
 
 from action_msgs.msg import GoalStatus
+from flashrt_ros.node.transfer import _check_export_allowed
 from flashrt_ros.node_process import NodeProcess
+from flashrt_ros.runtime.errors import InvalidRequestError
+from flashrt_ros.runtime.state.capsule import CapsuleInfo
 from flashrt_ros.runtime.state.transfer import DEFAULT_CHUNK_BYTES
 from node_harness import EventLog, HOME, set_parameter, wait_active, wait_until
 import pytest
@@ -296,6 +299,31 @@ def test_a_dripping_sender_is_given_up_at_the_deadline(nodes, context):
     assert _listing(right) == before and right.state_digest() == digest
 
 
+def test_a_sender_under_the_rate_floor_is_given_up_after_the_grace(nodes, context):
+    clients, _ = nodes
+    right = clients[RIGHT]
+    assert right.restore(HOME).success
+    digest, before = right.state_digest(), _listing(right)
+    # 4 KiB chunks, four in flight, each held 0.5 s: at most 32 KiB/s, under the 64 KiB/s
+    # floor, with the deadline far away.
+    tamperer = _Tamperer(delay=0.5)
+    for name, value in (('transfer_chunk_bytes', 4096), ('transfer_timeout', 15.0)):
+        assert set_parameter(right, name, value).successful
+    t0 = time.monotonic()
+    try:
+        with _dds_chunks(right):
+            result = right.import_capsule('/tamper/flashrt', 'ctx', name='slow', tier='host')
+    finally:
+        set_parameter(right, 'transfer_chunk_bytes', DEFAULT_CHUNK_BYTES)
+        set_parameter(right, 'transfer_timeout', MODEL['transfer_timeout'])
+        tamperer.close()
+    if result.success:
+        right.delete_capsule('slow')
+    assert not result.success and 'under the floor of 64 KiB/s' in result.message, result.message
+    assert time.monotonic() - t0 < 60.0  # given up after the 5 s grace, not at the deadline
+    assert _listing(right) == before and right.state_digest() == digest
+
+
 def test_sender_killed_mid_transfer_leaves_receiver_unchanged(nodes, tmp_path_factory):
     clients, _ = nodes
     right = clients[RIGHT]
@@ -388,6 +416,18 @@ def test_a_pinned_capsule_is_not_exported_by_default(nodes, context):
     assert 'pinned' in result.message and _listing(right) == before
     left = clients[LEFT]
     assert not set_parameter(left, 'export_allowed', 'all').successful  # read-only
+
+
+@pytest.mark.parametrize('policy, pinned, allowed', [
+    ('unpinned', False, True), ('unpinned', True, False), ('all', False, True),
+    ('all', True, True), ('none', False, False), ('none', True, False)])
+def test_export_allowed_lets_out_what_it_names(policy, pinned, allowed):
+    info = CapsuleInfo('c', 'host', 1, 0, 0.0, '', 'fp', ('kv',), pinned=pinned)
+    if allowed:
+        _check_export_allowed(policy, info)
+    else:
+        with pytest.raises(InvalidRequestError, match=f'export_allowed: {policy}'):
+            _check_export_allowed(policy, info)
 
 
 def test_import_refused_onto_the_home_capsule(nodes, context):

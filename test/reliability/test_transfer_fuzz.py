@@ -95,8 +95,13 @@ def test_a_hostile_shared_file_is_refused_or_read_whole(tmp_path, monkeypatch):
     local.mkdir()
     monkeypatch.setattr(transfer, 'LOCAL_DIR', local)
     sender, receiver = _runtime(tmp_path / 'sender'), _runtime(tmp_path / 'receiver')
+    sender.prefill('A shared file to tamper with.')
     sender.snapshot('ctx', 'host')
+    receiver.prefill('The receiver has a state of its own.')
+    receiver.snapshot('mine', 'host')
+    digest, expected = receiver.state_digest(), sender.state_digest()
     rng = random.Random(SEED)
+    stored = 0
     for i in range(40):
         manifest = sender.export_capsule('ctx', local=True)
         path = manifest.local_path
@@ -120,12 +125,19 @@ def test_a_hostile_shared_file_is_refused_or_read_whole(tmp_path, monkeypatch):
             receiver.finish_import(staging, f'shared{i}', 'host', ORIGIN)
         except FlashRTError as exc:  # a flipped byte (the checksum) or a cut file (a short read)
             assert action in (0, 1) and 'internal error' not in str(exc), exc
+            assert receiver.state_digest() == digest
             continue
         finally:
             sender.exports.close(manifest.export_id)
         assert action in (2, 3), 'a changed file was stored'  # relinked, or untouched
+        assert receiver.state_digest() == digest  # storing touches no live state
         receiver.restore(f'shared{i}')
+        assert receiver.state_digest() == expected  # the sender's state, byte for byte
         receiver.delete_capsule(f'shared{i}')
+        receiver.restore('mine')
+        stored += 1
+    assert stored >= 20 and receiver.state_digest() == digest
+    assert [c.name for c in receiver.list_capsules()] == ['mine']
 
 
 if __name__ == '__main__':
