@@ -169,8 +169,14 @@ def _safetensors_head(pread, size: int) -> tuple[dict, int] | None:
     return top, n
 
 
+# What to do about a bad capsule: a file is deleted and taken again, received bytes are
+# transferred again (nothing of them was stored).
+ON_FILE = 'delete it and take a new snapshot'
+ON_RECEIVED = 'nothing was stored: transfer it again'
+
+
 def _parse_head(name: str, where: str, top: dict, n: int, size: int,
-                path: Path | None) -> tuple[Capsule, dict, dict, int]:
+                path: Path | None, advice: str = ON_FILE) -> tuple[Capsule, dict, dict, int]:
     """Return the header-only capsule, its header, the metadata and the blob's byte count."""
     try:
         meta = top['__metadata__']
@@ -204,27 +210,25 @@ def _parse_head(name: str, where: str, top: dict, n: int, size: int,
         )
     except Exception as exc:  # garbled header: json, key, type and value errors
         raise CorruptCapsuleError(
-            f'{where} cannot be read ({exc}); delete it and take a new snapshot'
-        ) from exc
+            f'{where} cannot be read ({exc}); {advice}') from exc
     return cap, head, meta, nbytes
 
 
-def _check_blob_size(where: str, cap: Capsule, nbytes: int) -> None:
+def _check_blob_size(where: str, cap: Capsule, nbytes: int, advice: str = ON_FILE) -> None:
     if nbytes != cap.packing.nbytes:
         raise CorruptCapsuleError(
             f'{where} holds {nbytes} bytes of state, its header says {cap.packing.nbytes}; '
-            'delete it')
+            f'{advice}')
 
 
 def _verify(name: str, blob: torch.Tensor, head: dict, meta: dict, key: bytes | None,
-            blob_sha256=None) -> None:
+            blob_sha256=None, advice: str = ON_FILE) -> None:
     """Raise CorruptCapsuleError unless blob + header match the checksum (and the MAC)."""
     stored = meta['checksum']
     if checksum(blob, json.dumps(head, sort_keys=True), blob_sha256) != stored:
         raise CorruptCapsuleError(
             f'capsule {name!r} failed its checksum (the file was modified or '
-            'damaged); delete it and take a new snapshot'
-        )
+            f'damaged); {advice}')
     if key is not None and not hmac.compare_digest(str(meta.get('mac', '')), mac(key, stored)):
         raise CorruptCapsuleError(
             f'capsule {name!r} was not written with this key ($FLASHRT_CAPSULE_KEY_FILE): its MAC '
@@ -279,15 +283,15 @@ def decode(name: str, data, key: bytes | None = None, blob_sha256=None) -> Capsu
     found = _safetensors_head(lambda k, off: bytes(view[off:off + k]), len(view))
     if found is None:
         raise CorruptCapsuleError(f'{where} has no flashrt_ros capsule header (garbled in '
-                                  'transit); nothing was stored: transfer it again')
+                                  f'transit); {ON_RECEIVED}')
     top, n = found
-    cap, head, meta, nbytes = _parse_head(name, where, top, n, len(view), None)
-    _check_blob_size(where, cap, nbytes)
+    cap, head, meta, nbytes = _parse_head(name, where, top, n, len(view), None, ON_RECEIVED)
+    _check_blob_size(where, cap, nbytes, ON_RECEIVED)
     blob = torch.frombuffer(view, dtype=torch.uint8, offset=8 + n, count=nbytes) \
         if nbytes else torch.empty(0, dtype=torch.uint8)
     if 8 + n + nbytes != len(view):
         blob_sha256 = None
-    _verify(name, blob, head, meta, key, blob_sha256)
+    _verify(name, blob, head, meta, key, blob_sha256, ON_RECEIVED)
     cap.blob = blob
     return cap
 
