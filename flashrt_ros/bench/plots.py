@@ -167,8 +167,8 @@ def fig5(f, path, subtitle):
     ax.tick_params(axis='x', labelsize=8)
     ax.grid(True, axis='y', alpha=0.3)
     curves = [(label, f'{end}_to_restored_samples_ms', f'{label}: {end}', color, style)
-              for label, color in (('single_rt', 'tab:green'), ('single', OURS),
-                                   ('shared', BASELINE))
+              for label, color in (('waitset_rt', 'tab:green'), ('waitset', OURS),
+                                   ('single_rt', 'tab:olive'), ('shared', BASELINE))
               for end, style in (('published', '-'), ('received', ':'))]
     for control, key, label, color, style in curves:
         values = sorted(f['controls'][control].get(key, []))

@@ -6,9 +6,10 @@ latency_ms), against the round-trip of a bare std_srvs/Trigger server in its own
 calls interleaved. Part B: a turn streams tokens, an Interrupt(RESTORE home) or a ~/reset
 is published at a random point in a decode step, and the node's event on ~/events says
 where the time went, stage by stage after the middleware's receipt (session/interrupts.py).
-Two nodes run side by side, one taking ~/interrupt on its control path and one on its own
-executor (control_executor shared), interrupted in alternating blocks while another client
-calls ~/list_capsules at 20 Hz and this one takes ~/tokens; diagnostics run as configured.
+Four nodes run side by side (CONTROLS: the control path's wait set with default and robot
+settings, a SingleThreadedExecutor in its place, and the node's own executor as before the
+control path), interrupted in alternating blocks while another client calls
+~/list_capsules at 20 Hz and this one takes ~/tokens; diagnostics run as configured.
 
 Not FlashRTClient: its background executor and futures would add their own overhead.
 """
@@ -39,13 +40,15 @@ DISCOVERY_S = 1.0  # enough for localhost discovery to list the nodes of a domai
 LIST_HZ = 20.0  # the ~/list_capsules client beside the interrupts
 BLOCK = 25  # interrupts in a row on one node before the other node's turn
 # The nodes whose interrupts are timed side by side (label, node name, parameters): the
-# control path as configured by default; the same with the robot settings (SCHED_FIFO for
-# the control thread, one core left to it and the middleware); and the node's own executor
+# control path as configured by default (its own wait set); the same with the robot settings
+# (SCHED_FIFO for the control thread, one core left to it and the middleware); a
+# SingleThreadedExecutor on that thread with the robot settings; and the node's own executor
 # taking ~/interrupt beside everything else, as before the control path existed.
+RT = {'control_priority': 50, 'compute_threads': max(1, (os.cpu_count() or 2) - 1)}
 CONTROLS = (
-    ('single', 'flashrt', {'control_executor': 'single'}),
-    ('single_rt', 'flashrt_rt', {'control_executor': 'single', 'control_priority': 50,
-                                 'compute_threads': max(1, (os.cpu_count() or 2) - 1)}),
+    ('waitset', 'flashrt', {'control_executor': 'waitset'}),
+    ('waitset_rt', 'flashrt_rt', dict(RT, control_executor='waitset')),
+    ('single_rt', 'flashrt_single_rt', dict(RT, control_executor='single')),
     ('shared', 'flashrt_shared', {'control_executor': 'shared'}),
 )
 
@@ -463,7 +466,7 @@ def fig5_through_ros(plan, device, log):
                 for kind in ('interrupt', 'reset')}
         for label, ours in result['controls'].items() if label != 'shared'}
     result['targets'] = {label: _targets(result['controls'][label])
-                         for label in ('single', 'single_rt')}
+                         for label in ('waitset', 'waitset_rt')}
     result['target'] = ('node adds <= 0.5 ms to a bare Trigger round-trip (median); on the '
                         'control path, received -> restored median <= 0.5, p99 <= 1.0, max <= '
                         '3 ms and published -> restored median <= 0.8, p99 <= 1.5 ms, for '

@@ -9,10 +9,14 @@ thread, so nothing else stands between a message's arrival and its callback.
 
 The hidden node subscribes to the names the main node resolves (its remappings and
 namespace applied) and ignores the process's command-line arguments, so a `__node:=`
-remapping does not give two nodes one name. `control_executor` picks the executor:
-'single' (a SingleThreadedExecutor) or 'shared' (the topics on the node's own executor, in
-its `ordered` group: the configuration before this path existed, kept for side-by-side
-measurements). rclpy's EventsExecutor is not offered: the one of rclpy 9.1 delivered
+remapping does not give two nodes one name. `control_executor` picks what takes them:
+'waitset' (the default: a wait set of its own over the two subscriptions, a wake-up guard
+and the interrupt's QoS event, taken and applied in a few calls per message; rclpy's
+executors rebuild their wait set and dispatch through tasks on every wake-up, which costs
+more than the rest of the interrupt's path), 'single' (a SingleThreadedExecutor on that
+thread) or 'shared' (the topics on the node's own executor, in its `ordered` group: the
+configuration before this path existed). The last two are kept for side-by-side
+measurements (fig5). rclpy's EventsExecutor is not offered: the one of rclpy 9.1 delivered
 nothing and spun a core when tried (docs/architecture.md). `control_priority` > 0 runs the
 control thread under SCHED_FIFO at that priority, so the kernel runs it ahead of the
 generation thread when an interrupt arrives (it needs CAP_SYS_NICE or an rtprio limit; a
@@ -23,6 +27,7 @@ restore or rollback taken by the node's executor first lets the control path tak
 interrupt that had arrived by then (barrier()), so "interrupt, then prompt" stays in order.
 """
 
+import contextlib
 import functools
 import os
 import threading
@@ -32,12 +37,15 @@ from flashrt_ros.msg import Interrupt
 from flashrt_ros.qos import COMMAND_QOS, INTERRUPT_QOS
 from flashrt_ros.spin import spin_until_shutdown
 from rclpy.executors import SingleThreadedExecutor
+from rclpy.impl.implementation_singleton import rclpy_implementation as _rclpy
 from rclpy.node import Node
 from rclpy.subscription import Subscription
+from rclpy.waitable import NumberOfEntities
 from std_msgs.msg import Empty
 
-CONTROL_EXECUTORS = ('single', 'shared')
+CONTROL_EXECUTORS = ('waitset', 'single', 'shared')
 BARRIER_TIMEOUT_S = 0.5
+WAIT_TIMEOUT_NS = 200_000_000  # the wait loop looks at stop() and the context this often
 # rclpy passes a MessageInfo (the middleware's receipt time) to two-argument subscription
 # callbacks from Iron on; Humble calls callback(msg), and the receipt is then "now".
 _MESSAGE_INFO = hasattr(Subscription, 'CallbackType')
@@ -58,7 +66,7 @@ def received_time(msg_info):
 
 
 class ControlPath:
-    """The ~/interrupt and ~/reset subscriptions and the executor that takes them."""
+    """The ~/interrupt and ~/reset subscriptions and the thread that takes them."""
 
     def __init__(self, node, kind, on_interrupt, on_reset, event_callbacks, group=None):
         """
@@ -74,6 +82,7 @@ class ControlPath:
         self._on_interrupt, self._on_reset = on_interrupt, on_reset
         self._executor = None
         self._thread = None
+        self._stopping = False
         self._barrier = None
         self._barrier_lock = threading.Lock()
         interrupt_topic = node.resolve_topic_name('~/interrupt')
@@ -86,19 +95,21 @@ class ControlPath:
                              context=node.context, use_global_arguments=False,
                              start_parameter_services=False, enable_rosout=False)
             create = self.host.create_subscription
-        create(Interrupt, interrupt_topic, with_info(self._interrupt_callback), INTERRUPT_QOS,
-               event_callbacks=event_callbacks)
-        create(Empty, reset_topic, with_info(self._reset_callback), COMMAND_QOS)
+        self._subscriptions = (
+            create(Interrupt, interrupt_topic, with_info(self._interrupt_callback),
+                   INTERRUPT_QOS, event_callbacks=event_callbacks),
+            create(Empty, reset_topic, with_info(self._reset_callback), COMMAND_QOS))
         if kind != 'shared':
-            # Woken by barrier(): runs after the subscriptions ready in the same wake-up.
+            # Woken by barrier() and stop(): runs after the messages of the same wake-up.
             self._wake = self.host.create_guard_condition(self._barrier_callback)
 
     def start(self, logger, stopping, priority=0):
-        """Spin the control executor on a thread of its own (nothing to do for 'shared')."""
+        """Take the control topics on a thread of their own (nothing to do for 'shared')."""
         if self.kind == 'shared':
             return
-        self._executor = SingleThreadedExecutor(context=self._node.context)
-        self._executor.add_node(self.host)
+        if self.kind == 'single':
+            self._executor = SingleThreadedExecutor(context=self._node.context)
+            self._executor.add_node(self.host)
 
         def run():
             if priority > 0:
@@ -108,10 +119,67 @@ class ControlPath:
                     logger.warning(f'control_priority {priority}: SCHED_FIFO refused ({exc}); '
                                    'the control thread runs at normal priority (grant '
                                    'CAP_SYS_NICE or an rtprio limit)')
-            spin_until_shutdown(self._executor, logger, stopping)
+            if self._executor is not None:
+                spin_until_shutdown(self._executor, logger, stopping)
+            else:
+                self._wait_loop(logger, stopping)
 
         self._thread = threading.Thread(target=run, name='flashrt-control', daemon=True)
         self._thread.start()
+
+    def _wait_loop(self, logger, stopping):
+        """Wait on the control topics alone; apply what came in receipt order ('waitset')."""
+        context = self._node.context
+        waitables = list(self.host.waitables)  # the interrupt's QoS event handler
+        with contextlib.ExitStack() as handles:  # nothing is destroyed while this waits
+            for entity in self._subscriptions + (self._wake,):
+                handles.enter_context(entity.handle)
+            for waitable in waitables:
+                handles.enter_context(waitable)
+            handles.enter_context(context.handle)
+            count = NumberOfEntities(len(self._subscriptions), 1)
+            for waitable in waitables:
+                count += waitable.get_num_entities()
+            wait_set = _rclpy.WaitSet(
+                count.num_subscriptions, count.num_guard_conditions, count.num_timers,
+                count.num_clients, count.num_services, count.num_events, context.handle)
+            while not self._stopping and context.ok():
+                wait_set.clear_entities()
+                for sub in self._subscriptions:
+                    wait_set.add_subscription(sub.handle)
+                wait_set.add_guard_condition(self._wake.handle)
+                for waitable in waitables:
+                    waitable.add_to_wait_set(wait_set)
+                try:
+                    wait_set.wait(WAIT_TIMEOUT_NS)
+                    woken = self._wake.handle.pointer in wait_set.get_ready_entities(
+                        'guard_condition')
+                    ready = [w for w in waitables if w.is_ready(wait_set)]
+                    self._take_all()
+                    for waitable in ready:
+                        _run_to_end(waitable.execute(waitable.take_data()))
+                    if woken:
+                        self._take_all()  # what arrived before barrier() was called
+                        self._barrier_callback()
+                except Exception as exc:  # noqa: B902 - whatever a callback raised
+                    if self._stopping or stopping():
+                        return
+                    logger.error(f'a control callback failed and was skipped: {exc!r}')
+
+    def _take_all(self):
+        """Take every message waiting on both topics and apply them in receipt order."""
+        taken = []
+        for sub, callback in zip(self._subscriptions,
+                                 (self._interrupt_callback, self._reset_callback)):
+            while True:
+                message = sub.handle.take_message(sub.msg_type, sub.raw)
+                if message is None:
+                    break
+                msg, info = message
+                taken.append((received_time(info), callback, msg, info))
+        taken.sort(key=lambda item: item[0])
+        for _, callback, msg, info in taken:
+            callback(msg, info)
 
     def barrier(self, timeout=BARRIER_TIMEOUT_S):
         """
@@ -142,10 +210,23 @@ class ControlPath:
         self._on_reset(msg, received_time(msg_info), callback_at)
 
     def stop(self):
-        """Stop the executor and its thread; destroy the hidden node."""
+        """Stop the thread that takes the topics; destroy the hidden node."""
+        self._stopping = True
         if self._executor is not None:
             self._executor.shutdown(timeout_sec=2.0)
+        elif self.host is not self._node:
+            self._wake.trigger()
         if self._thread is not None:
             self._thread.join(timeout=2.0)
         if self.host is not self._node:
             self.host.destroy_node()
+
+
+def _run_to_end(coroutine):
+    """Run a waitable's execute() coroutine, which awaits nothing of an executor."""
+    try:
+        coroutine.send(None)
+    except StopIteration:
+        return
+    coroutine.close()
+    raise RuntimeError('a control waitable awaited an executor; it cannot run here')

@@ -154,10 +154,11 @@ PARAMETERS = (
           integer=(1, 4096)),
     Param('stop_strings', [], 'Stop strings used when a goal gives none (and for ~/prompt).',
           string_array=True),
-    Param('control_executor', 'single',
-          'What takes ~/interrupt and ~/reset. single: an executor of their own on a thread of '
-          "its own (the control path); shared: the node's own executor, beside services and "
-          'inputs (slower; for comparisons).', choices=CONTROL_EXECUTORS),
+    Param('control_executor', 'waitset',
+          'What takes ~/interrupt and ~/reset. waitset: a wait set of their own on a thread of '
+          'its own (the control path); single: a SingleThreadedExecutor on that thread; shared: '
+          "the node's own executor, beside services and inputs (the last two are slower; for "
+          'comparisons).', choices=CONTROL_EXECUTORS),
     Param('compute_threads', 0,
           'Threads of the model step (torch and the compiled CPU step), set at configure; 0 '
           "keeps torch's default (every core). On a robot, leave a core to the control path and "

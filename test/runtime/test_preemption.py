@@ -2,9 +2,11 @@
 
 import threading
 
+from checkpoint_harness import build_checkpoint
 from flashrt_ros.runtime import CapsuleNotFoundError, InvalidRequestError
 import pytest
 from runtime_harness import FAMILIES, greedy, PROMPT
+import torch
 
 OTHER = ' and then the arm moves on to the blue one'
 
@@ -243,8 +245,6 @@ def test_an_armed_preemption_never_aborts_another_runtime(make_runtime):
     # The abort hook is process-wide while armed; only the preempted runtime's generation
     # thread may be cut. Here runtime A's step is held inside its forward with the hook
     # armed, and runtime B decodes a whole turn meanwhile on another thread.
-    import torch
-
     a, b = make_runtime(), make_runtime('builtin:tiny-lfm2')
     a.prefill(PROMPT)
     a.snapshot('home')
@@ -288,3 +288,31 @@ def test_an_armed_preemption_never_aborts_another_runtime(make_runtime):
     assert outcome['info'].name == 'home' and gen.result.stop_reason == 'interrupted'
     assert a.state_digest() == home
     assert not torch.nn.modules.module._global_forward_pre_hooks  # disarmed again
+
+
+def test_a_preemption_abandons_a_conversation_turns_closing(make_runtime, tmp_path):
+    # A reply's end feeds the template's end-of-turn tokens (a forward of a few tokens):
+    # a restore that comes meanwhile replaces the state anyway, so it cuts that forward.
+    path, _ = build_checkpoint(tmp_path / 'qwen', dtype=torch.float32)
+    rt = make_runtime(str(path), max_seq_len=512)
+    rt.prefill('You are a careful robot arm.')
+    rt.snapshot('home')
+    home, conversation = rt.state_digest(), rt.conversation
+    gen = rt.generate('Pick up the red cup.', max_new_tokens=4, stop=())
+    probes, close = [], gen._close_turn
+
+    def closing(reason):
+        probes.append(_PreemptInsideStep(rt, lambda: rt.restore('home', preempt=True)))
+        close(reason)
+
+    gen._close_turn = closing
+    events = list(gen)
+    probe, = probes
+    probe.join()
+    assert probe.error is None and probe.result.name == 'home'
+    assert probe.after == 0  # the closing forward never reached its last layer
+    assert len(events) == len(gen.result.token_ids) == 4
+    assert gen.result.stop_reason == 'max_tokens' and not rt.generating
+    assert rt.state_digest() == home and rt.conversation == conversation
+    gen = rt.generate('Pick up the red cup.', max_new_tokens=4, stop=())
+    assert [e.token_id for e in gen] == [e.token_id for e in events]

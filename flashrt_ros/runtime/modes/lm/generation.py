@@ -346,11 +346,27 @@ class Generation:
                 rt.driver.decode_tps = tps
             try:
                 if commit and self.started and rt.writer.turn is self and not rt._closed:
-                    if self.closes_turn:
-                        self._close_turn(reason)
+                    if self.closes_turn and not self._closed_turn(reason):
+                        return
                     rt.writer.commit()  # end of turn is a committed boundary
             finally:
                 self._release()
+
+    def _closed_turn(self, reason: str) -> bool:
+        """
+        Close the conversation turn (lock held); False when a waiting preemption cut it.
+
+        The closing is a forward of a few tokens; a restore or rollback that comes meanwhile
+        replaces the state anyway, so it abandons the closing rather than wait for it.
+        """
+        writer = self._rt.writer
+        try:
+            with writer.abortable():
+                self._close_turn(reason)
+        except StepAborted:
+            writer.serve(self, torn=True)
+            return False
+        return True
 
     def _close_turn(self, reason: str) -> None:
         """Feed the reply's last token and the end-of-turn tokens; record the reply."""

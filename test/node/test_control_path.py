@@ -1,0 +1,161 @@
+"""The control path (node/control.py) on each of its executors, in one process over DDS."""
+
+import threading
+import time
+
+from flashrt_ros.msg import Interrupt
+from flashrt_ros.node.control import CONTROL_EXECUTORS, ControlPath
+from flashrt_ros.qos import COMMAND_QOS, INTERRUPT_QOS
+from flashrt_ros.spin import spin_until_shutdown
+from node_harness import wait_until
+import pytest
+import rclpy
+from rclpy.event_handler import PublisherEventCallbacks, SubscriptionEventCallbacks
+from rclpy.executors import MultiThreadedExecutor
+from rclpy.qos import QoSProfile, ReliabilityPolicy
+from rclpy.signals import SignalHandlerOptions
+from std_msgs.msg import Empty
+
+
+class _Log:
+    """The logger the control path is given: what it said, by level."""
+
+    def __init__(self):
+        self.lines = []
+
+    def warning(self, text):
+        self.lines.append(('warning', text))
+
+    def error(self, text):
+        self.lines.append(('error', text))
+
+
+class _Harness:
+    """A node with its control path of `kind`, a sender node, and what the path applied."""
+
+    def __init__(self, kind, name):
+        self.context = rclpy.Context()
+        rclpy.init(context=self.context, signal_handler_options=SignalHandlerOptions.NO)
+        self.node = rclpy.create_node(name, context=self.context)
+        self.sender = rclpy.create_node(f'{name}_sender', context=self.context)
+        self.applied = []     # (what, payload, received, callback_at, thread name)
+        self.mismatches = []
+        self.hold = None      # an Event the next callback waits for, when set
+        self.started = threading.Event()
+        self.fail_next = False
+        self.log = _Log()
+        events = SubscriptionEventCallbacks(incompatible_qos=self.mismatches.append,
+                                            use_default_callbacks=False)
+        group = self.node.default_callback_group
+        self.path = ControlPath(self.node, kind, self._apply('interrupt'), self._apply('reset'),
+                                events, group=group)
+        self.executor = MultiThreadedExecutor(num_threads=2, context=self.context)
+        self.executor.add_node(self.node)  # the node's own executor ('shared' is taken here)
+        self.stopping = threading.Event()
+        self.spinner = threading.Thread(target=spin_until_shutdown, daemon=True, args=(
+            self.executor, self.log, self.stopping.is_set))
+        self.spinner.start()
+        self.path.start(self.log, self.stopping.is_set)
+        self.interrupts = self.sender.create_publisher(Interrupt, f'/{name}/interrupt',
+                                                       INTERRUPT_QOS)
+        self.resets = self.sender.create_publisher(Empty, f'/{name}/reset', COMMAND_QOS)
+        assert wait_until(lambda: self.interrupts.get_subscription_count() == 1
+                          and self.resets.get_subscription_count() == 1)
+
+    def _apply(self, what):
+        def apply(msg, received, callback_at):
+            self.started.set()
+            if self.hold is not None:
+                self.hold.wait(10.0)
+            if self.fail_next:
+                self.fail_next = False
+                raise RuntimeError('a control callback fails')
+            payload = msg.reason if what == 'interrupt' else ''
+            self.applied.append((what, payload, received, callback_at,
+                                 threading.current_thread().name))
+        return apply
+
+    def close(self):
+        self.stopping.set()
+        self.path.stop()
+        self.executor.shutdown(timeout_sec=2.0)
+        self.spinner.join(timeout=2.0)
+        self.sender.destroy_node()
+        self.node.destroy_node()
+        rclpy.try_shutdown(context=self.context)
+
+
+@pytest.fixture(params=CONTROL_EXECUTORS)
+def path(request):
+    harness = _Harness(request.param, f'control_{request.param}')
+    yield harness
+    harness.close()
+
+
+def test_each_message_is_applied_once_in_the_order_sent(path):
+    sent = []
+    for i in range(30):
+        if i % 3 == 2:
+            path.resets.publish(Empty())
+            sent.append(('reset', ''))
+        else:
+            path.interrupts.publish(Interrupt(mode=Interrupt.RESTORE, reason=str(i)))
+            sent.append(('interrupt', str(i)))
+        time.sleep(0.002)
+    assert wait_until(lambda: len(path.applied) >= len(sent))
+    time.sleep(0.1)  # nothing is applied twice
+    assert [(what, payload) for what, payload, *_ in path.applied] == sent
+    own_thread = path.path.kind != 'shared'
+    for _, _, received, callback_at, thread in path.applied:
+        assert received <= callback_at  # the receipt is the middleware's, not the callback's
+        assert (thread == 'flashrt-control') == own_thread
+
+
+@pytest.mark.parametrize('kind', ['waitset', 'single'])
+def test_barrier_returns_once_the_interrupt_in_progress_is_applied(kind):
+    harness = _Harness(kind, f'barrier_{kind}')
+    try:
+        harness.hold = threading.Event()
+        harness.interrupts.publish(Interrupt(mode=Interrupt.RESTORE, reason='first'))
+        assert harness.started.wait(10.0)
+        passed = []
+        waiter = threading.Thread(target=lambda: passed.append(harness.path.barrier(5.0)))
+        waiter.start()
+        waiter.join(0.3)
+        assert waiter.is_alive() and not harness.applied  # waits for the callback
+        harness.hold.set()
+        waiter.join(10.0)
+        assert passed == [True] and [a[1] for a in harness.applied] == ['first']
+        assert harness.path.barrier(1.0)  # and with nothing in flight, at once
+    finally:
+        harness.hold.set()
+        harness.close()
+
+
+def test_a_failing_callback_is_logged_and_the_path_keeps_serving(path):
+    path.fail_next = True
+    path.interrupts.publish(Interrupt(mode=Interrupt.RESTORE, reason='fails'))
+    assert wait_until(lambda: path.log.lines)
+    path.interrupts.publish(Interrupt(mode=Interrupt.RESTORE, reason='after'))
+    assert wait_until(lambda: path.applied)
+    assert [a[1] for a in path.applied] == ['after']
+    assert path.log.lines[0][0] == 'error' and 'fails' in path.log.lines[0][1]
+
+
+def test_an_incompatible_interrupt_publisher_is_reported(path):
+    qos = QoSProfile(depth=10, reliability=ReliabilityPolicy.BEST_EFFORT)
+    pub = path.sender.create_publisher(
+        Interrupt, f'/{path.node.get_name()}/interrupt', qos,
+        event_callbacks=PublisherEventCallbacks(use_default_callbacks=False))
+    try:
+        assert wait_until(lambda: path.mismatches)
+    finally:
+        path.sender.destroy_publisher(pub)
+
+
+@pytest.mark.parametrize('kind', ['waitset', 'single'])
+def test_stop_ends_the_control_thread(kind):
+    harness = _Harness(kind, f'control_stop_{kind}')
+    thread = harness.path._thread
+    harness.close()
+    assert not thread.is_alive()
