@@ -42,7 +42,7 @@ from flashrt_ros.runtime.state.capsule import validate_name, validate_tier
 # The executor, the generation thread and torch share the GIL. While a turn decodes, a short
 # switch interval lets an interrupt be dispatched and preempt quickly; when idle, a longer one
 # keeps the executor thread and a service callback from trading the GIL back and forth.
-SWITCH_INTERVAL_DECODING_S = 0.0001
+SWITCH_INTERVAL_DECODING_S = 0.00002
 SWITCH_INTERVAL_IDLE_S = 0.0005
 CANCELLED_UNSTARTED = 'cancelled before it started'
 GOAL_POLICIES = ('reject', 'queue')  # a request while one runs or waits: refuse it, or queue it
