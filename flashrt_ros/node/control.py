@@ -22,9 +22,11 @@ control thread under SCHED_FIFO at that priority, so the kernel runs it ahead of
 generation thread when an interrupt arrives (it needs CAP_SYS_NICE or an rtprio limit; a
 refusal is logged and the thread keeps the normal policy).
 
-Order: interrupts and resets are applied in their arrival order, one at a time. A prompt,
-restore or rollback taken by the node's executor first lets the control path take every
-interrupt that had arrived by then (barrier()), so "interrupt, then prompt" stays in order.
+Order: interrupts and resets are applied in their arrival order, one at a time (across the
+two topics as well with 'waitset': the messages of one wake-up are sorted by receipt; rclpy's
+executors take them topic by topic). A prompt, restore or rollback taken by the node's
+executor first lets the control path take every interrupt that had arrived by then
+(barrier()), so "interrupt, then prompt" stays in order.
 """
 
 import contextlib
@@ -46,6 +48,9 @@ from std_msgs.msg import Empty
 CONTROL_EXECUTORS = ('waitset', 'single', 'shared')
 BARRIER_TIMEOUT_S = 0.5
 WAIT_TIMEOUT_NS = 200_000_000  # the wait loop looks at stop() and the context this often
+# Names of the threads that receive messages: Fast DDS (shared memory, UDP; not its
+# shared-memory watchdog), Cyclone DDS.
+RECEIVE_THREADS = ('dds.shm.', 'dds.udp.', 'recv')
 # rclpy passes a MessageInfo (the middleware's receipt time) to two-argument subscription
 # callbacks from Iron on; Humble calls callback(msg), and the receipt is then "now".
 _MESSAGE_INFO = hasattr(Subscription, 'CallbackType')
@@ -111,6 +116,12 @@ class ControlPath:
             self._executor = SingleThreadedExecutor(context=self._node.context)
             self._executor.add_node(self.host)
 
+        if priority > 0:
+            raised = raise_receive_threads(max(1, priority - 1))
+            if raised:
+                logger.info(f'control_priority {priority}: the middleware threads '
+                            f'{", ".join(raised)} run under SCHED_FIFO {max(1, priority - 1)}')
+
         def run():
             if priority > 0:
                 try:  # this thread only: pid 0 is the calling thread
@@ -144,29 +155,45 @@ class ControlPath:
                 count.num_subscriptions, count.num_guard_conditions, count.num_timers,
                 count.num_clients, count.num_services, count.num_events, context.handle)
             while not self._stopping and context.ok():
-                wait_set.clear_entities()
-                for sub in self._subscriptions:
-                    wait_set.add_subscription(sub.handle)
-                wait_set.add_guard_condition(self._wake.handle)
-                for waitable in waitables:
-                    waitable.add_to_wait_set(wait_set)
                 try:
-                    wait_set.wait(WAIT_TIMEOUT_NS)
-                    woken = self._wake.handle.pointer in wait_set.get_ready_entities(
-                        'guard_condition')
-                    ready = [w for w in waitables if w.is_ready(wait_set)]
-                    self._take_all()
-                    for waitable in ready:
-                        _run_to_end(waitable.execute(waitable.take_data()))
-                    if woken:
-                        self._take_all()  # what arrived before barrier() was called
-                        self._barrier_callback()
-                except Exception as exc:  # noqa: B902 - whatever a callback raised
+                    barrier, ready = self._wait_once(wait_set, waitables)
+                except Exception as exc:  # noqa: B902 - e.g. the context shutting down
                     if self._stopping or stopping():
                         return
-                    logger.error(f'a control callback failed and was skipped: {exc!r}')
+                    logger.error(f'the control path could not wait: {exc!r}')
+                    continue
+                if self._stopping or not context.ok():
+                    return
+                try:
+                    self._take_all(logger)
+                    for waitable in ready:
+                        _run_to_end(waitable.execute(waitable.take_data()))
+                    if barrier is not None:
+                        self._take_all(logger)  # what arrived before barrier() was called
+                except Exception as exc:  # noqa: B902 - a QoS event callback, or shutting down
+                    if self._stopping or stopping():
+                        return
+                    logger.error(f'the control path skipped a failure: {exc!r}')
+                finally:
+                    if barrier is not None:
+                        barrier.set()
 
-    def _take_all(self):
+    def _wait_once(self, wait_set, waitables):
+        """Wait; return the barrier that woke it (or None) and the ready waitables."""
+        wait_set.clear_entities()
+        for sub in self._subscriptions:
+            wait_set.add_subscription(sub.handle)
+        wait_set.add_guard_condition(self._wake.handle)
+        for waitable in waitables:
+            waitable.add_to_wait_set(wait_set)
+        wait_set.wait(WAIT_TIMEOUT_NS)
+        # Read before the takes: a barrier set later waits for the next wake-up, whose takes
+        # come after its call.
+        woken = self._wake.handle.pointer in wait_set.get_ready_entities('guard_condition')
+        return (self._barrier if woken else None), [w for w in waitables
+                                                    if w.is_ready(wait_set)]
+
+    def _take_all(self, logger):
         """Take every message waiting on both topics and apply them in receipt order."""
         taken = []
         for sub, callback in zip(self._subscriptions,
@@ -179,7 +206,10 @@ class ControlPath:
                 taken.append((received_time(info), callback, msg, info))
         taken.sort(key=lambda item: item[0])
         for _, callback, msg, info in taken:
-            callback(msg, info)
+            try:  # each message on its own: one failing callback loses none after it
+                callback(msg, info)
+            except Exception as exc:  # noqa: B902 - whatever the callback raised
+                logger.error(f'a control callback failed and was skipped: {exc!r}')
 
     def barrier(self, timeout=BARRIER_TIMEOUT_S):
         """
@@ -220,6 +250,27 @@ class ControlPath:
             self._thread.join(timeout=2.0)
         if self.host is not self._node:
             self.host.destroy_node()
+
+
+def raise_receive_threads(priority, prefixes=RECEIVE_THREADS):
+    """
+    Run this process's middleware receive threads under SCHED_FIFO `priority`.
+
+    A message is stamped and handed on by such a thread; on a busy CPU a normal-policy one
+    waits for a time slice behind the model's compute before the control thread can wake.
+    Returns the names of the threads raised (none where the policy is refused).
+    """
+    raised = []
+    for tid in os.listdir('/proc/self/task'):
+        try:
+            with open(f'/proc/self/task/{tid}/comm') as f:
+                name = f.read().strip()
+            if name.startswith(prefixes) and not name.endswith('.wdog'):
+                os.sched_setscheduler(int(tid), os.SCHED_FIFO, os.sched_param(priority))
+                raised.append(name)
+        except (OSError, AttributeError):  # gone meanwhile, or no permission
+            continue
+    return sorted(raised)
 
 
 def _run_to_end(coroutine):
