@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -72,6 +73,9 @@ def parse_args(argv=None):
                    help='directory of the JSON and tables (default %(default)s)')
     p.add_argument('--plots', help='directory of the PNG plots (default: --out)')
     p.add_argument('--name', help='result name (default: quick, or the device type)')
+    p.add_argument('--busy-cores', type=int, default=0,
+                   help='keep this many cores busy with unrelated processes (a Python loop '
+                        'each, normal priority) for the whole run (default %(default)s)')
     args = p.parse_args(argv)
     only = [f.strip() for f in args.only.split(',') if f.strip()]
     unknown = sorted(set(only) - set(FIGURES))
@@ -171,6 +175,9 @@ def main(argv=None):
                'plan': {k: v for k, v in vars(plan).items() if k != 'workdir'},
                'machine': machine_info(), 'device': device_info(args.device)}
     rt = None
+    busy = [subprocess.Popen([sys.executable, '-c', 'while True: pass'])
+            for _ in range(args.busy_cores)]
+    results['busy_cores'] = args.busy_cores
     try:
         if set(args.only) - ROS_FIGURES:
             log(f'building {args.model} on {args.device} ({args.dtype})')
@@ -187,6 +194,9 @@ def main(argv=None):
                 results['interrupted_during'] = key
                 break
     finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
         if rt is not None:
             rt.close()
         shutil.rmtree(workdir, ignore_errors=True)

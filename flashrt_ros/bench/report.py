@@ -261,6 +261,9 @@ def sections(results):
             notes.append(f'{fig["elapsed_s"]:.0f} s; CPU meanwhile: machine '
                          f'{cpu["machine_busy_pct"]}% busy, this run {cpu["this_run_pct"]}%, '
                          f'others {cpu["others_pct"]}%, steal {cpu["steal_pct"]}%')
+        if results.get('busy_cores'):
+            notes.append(f'{results["busy_cores"]} core(s) kept busy by unrelated processes '
+                         '(--busy-cores), counted in "others"')
         if fig.get('missed'):
             what = ', no '.join(f'{w.replace("_", " ")} x{n}'
                                 for w, n in sorted(fig['missed_by_what'].items()))

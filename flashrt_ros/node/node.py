@@ -43,6 +43,9 @@ from .outputs import RosOutputs
 from .transfer import CapsuleTransfer
 
 NODE_NAME = 'flashrt'
+# With control_priority set, the generation thread's nice value: on a busy CPU a normal one
+# is preempted holding the interpreter lock that a waking control thread needs.
+GENERATION_NICE = -10
 # No QoS event handlers on the node's entities (rclpy's own /parameter_events publisher
 # included) except ~/interrupt's: each is a waitable that the executor walks on every
 # wake-up, a cost on every service call. The peer's own handlers still report a mismatch.
@@ -183,6 +186,8 @@ class FlashRTNode(LifecycleNode):
                                                     callback_group=self._state_group)
         self._inputs = inputs
         session.turns.tune_switch_interval = self.tune_switch_interval
+        if self._param('control_priority') > 0:  # the robot settings (docs/setup.md)
+            session.turns.generation_nice = GENERATION_NICE
         session.turns.start()
         self._session, self._goal_turns = session, session.turns
         return super().on_configure(state)

@@ -164,8 +164,9 @@ PARAMETERS = (
           "keeps torch's default (every core). On a robot, leave a core to the control path and "
           'the middleware (docs/architecture.md).', integer=(0, 1024)),
     Param('control_priority', 0,
-          'SCHED_FIFO priority (1-99) of the control thread; 0 keeps the normal policy. Needs '
-          'CAP_SYS_NICE or an rtprio limit (refused: a warning, normal priority).',
+          'SCHED_FIFO priority (1-99) of the control thread (the middleware receive threads '
+          'one below it, the generation thread at nice -10); 0 keeps the normal policy. Needs '
+          'CAP_SYS_NICE or rtprio and nice limits (refused: a warning, normal priority).',
           integer=(0, 99)),
     Param('interrupt_timeout', 5.0,
           'Seconds ~/interrupt, ~/reset and deactivate wait for the generation to reach a step '

@@ -33,6 +33,7 @@ import collections
 import contextlib
 import dataclasses
 import enum
+import os
 import sys
 import threading
 
@@ -149,6 +150,9 @@ class TurnScheduler:
         self._last_turn_id = 0
         self.replace_lock = threading.Lock()
         self.tune_switch_interval = False
+        # Nice value of the generation thread (0: as started). Below 0, a busy CPU preempts
+        # it less often while it holds the interpreter lock an interrupt needs.
+        self.generation_nice = 0
 
     # ---- admission -------------------------------------------------------------------
 
@@ -328,6 +332,12 @@ class TurnScheduler:
         self._thread = None
 
     def _loop(self):
+        if self.generation_nice:
+            try:  # Linux: this thread only
+                os.setpriority(os.PRIO_PROCESS, 0, self.generation_nice)
+            except OSError as exc:
+                self._out.log('warning', f'generation thread nice {self.generation_nice} '
+                                         f'refused ({exc}); it keeps its nice value')
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._stopping or (self._queue and not self._holds))

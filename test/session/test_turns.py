@@ -1,11 +1,12 @@
 """The turn scheduler: states, admission, cancels, and the races at a turn's start and end."""
 
+import os
 import threading
 
 from flashrt_ros.runtime import BusyError, InvalidRequestError
 from flashrt_ros.session import BUSY_MESSAGE, Turn, TurnRequest, TurnState
 import pytest
-from session_harness import LONG_PROMPT
+from session_harness import LONG_PROMPT, wait_until
 
 GOAL = object()  # a caller's handle: the scheduler only passes it to start_goal
 
@@ -271,3 +272,18 @@ def test_a_bad_save_as_is_refused_before_the_turn_changes_anything(make_session,
     assert not turn.result.success and 'refused before the turn' in turn.result.message
     assert session.runtime.state_digest() == digest
     assert out.finals()[-1]['stop_reason'] == 'error'
+
+
+def test_generation_nice_applies_to_the_generation_thread_alone(make_session):
+    session, out = make_session()
+    turns = session.turns
+    turns.stop()
+    turns.generation_nice = -1
+    turns.start()
+    tid, own = turns._thread.native_id, os.getpriority(os.PRIO_PROCESS, 0)
+    refused = [m for level, m in out.logs if 'nice' in m]
+    assert wait_until(lambda: os.getpriority(os.PRIO_PROCESS, tid) == -1
+                      or [m for level, m in out.logs if 'nice -1 refused' in m])
+    if os.getpriority(os.PRIO_PROCESS, tid) != -1:
+        pytest.skip('a lower nice value is refused here (no CAP_SYS_NICE); the node says so')
+    assert not refused and os.getpriority(os.PRIO_PROCESS, 0) == own  # this thread keeps its own
