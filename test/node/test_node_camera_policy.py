@@ -31,6 +31,10 @@ def act(tmp_path_factory, capsule_dir):
         chunks, events = [], EventLog(client)
         client.subscribe_actions(chunks.append)
         time.sleep(0.3)
+        # The client creates its camera and joint-state publishers on first use, and a
+        # message sent before the node has matched one is lost: observe until a chunk comes.
+        assert any(_observe(client, chunks, level=1) is not None for _ in range(5))
+        assert client.restore(HOME).success
         yield client, chunks, events
     finally:
         client.close()
