@@ -281,9 +281,8 @@ def test_generation_nice_applies_to_the_generation_thread_alone(make_session):
     turns.generation_nice = -1
     turns.start()
     tid, own = turns._thread.native_id, os.getpriority(os.PRIO_PROCESS, 0)
-    refused = [m for level, m in out.logs if 'nice' in m]
     assert wait_until(lambda: os.getpriority(os.PRIO_PROCESS, tid) == -1
                       or [m for level, m in out.logs if 'nice -1 refused' in m])
     if os.getpriority(os.PRIO_PROCESS, tid) != -1:
         pytest.skip('a lower nice value is refused here (no CAP_SYS_NICE); the node says so')
-    assert not refused and os.getpriority(os.PRIO_PROCESS, 0) == own  # this thread keeps its own
+    assert os.getpriority(os.PRIO_PROCESS, 0) == own  # this thread keeps its own
