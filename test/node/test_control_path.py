@@ -106,7 +106,13 @@ def test_each_message_is_applied_once_in_the_order_sent(path):
         time.sleep(0.002)
     assert wait_until(lambda: len(path.applied) >= len(sent))
     time.sleep(0.1)  # nothing is applied twice
-    assert [(what, payload) for what, payload, *_ in path.applied] == sent
+    applied = [(what, payload) for what, payload, *_ in path.applied]
+    if path.path.kind == 'waitset':  # in receipt order across both topics
+        assert applied == sent
+    else:  # rclpy's executors keep each topic's order, not the order between them
+        assert sorted(applied) == sorted(sent)
+        for what in ('interrupt', 'reset'):
+            assert [a for a in applied if a[0] == what] == [a for a in sent if a[0] == what]
     own_thread = path.path.kind != 'shared'
     for _, _, received, callback_at, thread in path.applied:
         assert received <= callback_at  # the receipt is the middleware's, not the callback's

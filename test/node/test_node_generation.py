@@ -409,7 +409,7 @@ def test_client_callbacks_one_at_a_time_in_order(client, at_home):
         return consume
 
     sub = client.subscribe_tokens(consumer('tokens'))
-    time.sleep(0.3)
+    assert _wait(lambda: sub.get_publisher_count() >= 1)  # matched: no chunk is missed
     try:
         outcome = client.generate('Go.', max_new_tokens=60, feedback_callback=consumer('feedback'),
                                   timeout=60.0)
