@@ -2,6 +2,8 @@
 
 import importlib.util
 import os
+import threading
+import time
 
 import pytest
 
@@ -26,3 +28,32 @@ def ros_context():
         yield context
     finally:
         rclpy.try_shutdown(context=context)
+
+
+@pytest.fixture
+def hold_in_forward():
+    """
+    Return hold(module): forwards through `module` wait after it until a preemption is armed.
+
+    hold returns an event set once one waits (at most 10 s); the hooks go at teardown. A
+    step held after a layer that wrote its state is torn when a preemption abandons it.
+    """
+    from flashrt_ros.runtime.preemption import ARMED
+
+    handles = []
+
+    def hold(module):
+        inside = threading.Event()
+
+        def wait_for_a_preemption(_module, _args, _output):
+            inside.set()
+            deadline = time.monotonic() + 10.0
+            while ARMED.value == 0 and time.monotonic() < deadline:
+                time.sleep(0.001)
+
+        handles.append(module.register_forward_hook(wait_for_a_preemption))
+        return inside
+
+    yield hold
+    for handle in handles:
+        handle.remove()

@@ -11,6 +11,7 @@ from .errors import (
     FlashRTError,
     InvalidNameError,
     InvalidRequestError,
+    PreemptedError,
 )
 from .modes import ActionChunk, Generation, GenerationResult, TokenEvent
 from .runtime import Runtime
@@ -35,4 +36,5 @@ __all__ = [
     'BusyError',
     'ConfigError',
     'InvalidRequestError',
+    'PreemptedError',
 ]

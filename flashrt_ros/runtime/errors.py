@@ -35,3 +35,7 @@ class BusyError(FlashRTError):
 
 class InvalidRequestError(FlashRTError):
     """A request's arguments cannot be served (empty prompt, too long, bad sampling values)."""
+
+
+class PreemptedError(FlashRTError):
+    """A control step was abandoned: a restore or rollback replaced the state while it ran."""

@@ -8,8 +8,8 @@ A waiting preemption abandons the step in flight at its next module call (StepAb
 compiled code that calls no module (models/cpu_step.c) polls ARMED between layers and meets
 the same hook there. An abandoned forward leaves the state torn, and the capsule written
 over it also zeroes the rows that forward may have written (Cursor.extent). A captured CUDA
-graph replays as one launch, so there the wait is up to one step; a policy's act() is always
-waited for.
+graph replays as one launch, so there the wait is up to one step. A policy's act() holds no
+turn: it serves the preemption itself and raises PreemptedError (modes/policy.py).
 
 A forward that fails half-way for any other reason (out of memory, a bug in a custom
 module, Ctrl-C) puts the newest committed boundary back (guarded_forward).

@@ -316,7 +316,8 @@ class Runtime:
         """obs_dim, action_dim, horizon and names of a policy model (None otherwise)."""
         return self.driver.policy_spec
 
-    def act(self, observation) -> ActionChunk:
+    def act(self, observation,
+            should_stop: Callable[[], bool] | None = None) -> ActionChunk:
         """
         Fold one observation into the state (modes/policy.py says what one is).
 
@@ -326,8 +327,11 @@ class Runtime:
         boundary. A missing or unknown key, a wrong shape, NaN or Inf raises
         InvalidRequestError before the state is touched; so does a full episode (a policy
         with sequence state at position == max_seq_len: reset or restore first).
+        A restore or rollback with preempt=True abandons a running act() (PreemptedError,
+        the state is the one it put in place); should_stop() is asked under the step lock
+        before the step starts: True raises PreemptedError with the state untouched.
         """
-        return self.driver.act(observation)
+        return self.driver.act(observation, should_stop)
 
     def check_observation(self, observation) -> dict[str, torch.Tensor]:
         """Return the observation as a dict of float32 tensors, or raise InvalidRequestError."""

@@ -140,13 +140,14 @@ class WriterSlot:
         """
         End `turn` and run the waiting preemption (lock held, on the turn's thread).
 
-        torn: a forward was abandoned half-way, so the turn ends uncommitted and the live
-        state must be replaced; if the preemption fails anyway (it was checked before it
-        was armed) the last committed boundary is put back instead.
+        turn None: a call that holds no turn (a policy's act()) was abandoned. torn: a
+        forward was abandoned half-way, so the turn ends uncommitted and the live state must
+        be replaced; if the preemption fails anyway (it was checked before it was armed)
+        the last committed boundary is put back instead.
         """
         request = self._request
         request.stages['step_left'] = time.time()
-        from_newest = self._end_turn(turn, torn)
+        from_newest = torn if turn is None else self._end_turn(turn, torn)
         try:
             request.result = request.run(from_newest)
             request.stages['copied'] = time.time()

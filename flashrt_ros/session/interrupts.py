@@ -57,8 +57,8 @@ class Interrupts:
         if mode == InterruptMode.POLICY:
             mode = POLICY_MODES[self._param('interrupt_policy')]
         capsule = capsule or self._param('home_capsule')
-        with self._mode.quiet():  # no input taken in until the state is where it goes
-            self._mode.forget_inputs(received)
+        replaces = mode in (InterruptMode.ROLLBACK, InterruptMode.RESTORE)
+        with self._mode.interrupting(received, replaces):
             name, tier, nbytes, success, message, replaced_at = self._stop_and_replace(
                 operation, mode, boundaries, capsule, stages)
         wall, stamp = replaced_at or (time.time(), None)
@@ -95,6 +95,10 @@ class Interrupts:
             if mode != InterruptMode.STOP:  # still stop: an interrupt must not go unheeded
                 with self._turns.stopped():
                     message += f'; stopped at position {self._rt.position} instead'
+                try:
+                    message += self._mode.after_interrupt()  # a policy's queue goes too
+                except Exception as again:
+                    message += f'; {again}'
             self._out.log('warning', message)
         return name, tier, nbytes, success, message, replaced_at
 

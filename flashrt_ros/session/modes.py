@@ -53,8 +53,21 @@ class Mode:
         """Drop inputs received before `before` (default now): they belong to a past episode."""
 
     def quiet(self):
-        """Return a context in which the mode takes no input in (around an interrupt)."""
+        """Return a context in which the mode takes no input in (around a restore)."""
         return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def interrupting(self, received, replaces):
+        """
+        Hold inputs back around an interrupt or reset received at wall time `received`.
+
+        Inputs received before it are dropped, and none is taken in until the state is
+        where the interrupt puts it. replaces: the state is restored or rolled back (a
+        mode may then let the restore abandon its step in flight instead of waiting).
+        """
+        with self.quiet():
+            self.forget_inputs(received)
+            yield
 
     def after_interrupt(self):
         """Finish an interrupt or reset for this mode; return a note for its event."""

@@ -6,15 +6,22 @@ boundary) and its whole chunk is published. stepping 'timer': tick() steps on th
 observation (if one arrived) and publishes one queued action, so the runtime's action queue
 is what the robot executes. `_gate` makes taking an observation in (the staleness check
 and the step, or the store for the next tick) and a tick each one step against
-forget_inputs and against an interrupt (quiet()), which run on other threads: nothing from
-before them is folded in, and no queued action goes out between an interrupt's restore
-and its dropping the queue.
+forget_inputs, a restore service call and a STOP (quiet()), which run on other threads:
+nothing from before them is folded in.
+
+An interrupt or reset that restores or rolls back does not wait for the step in flight: it
+counts an epoch, and its restore abandons a running act() (PreemptedError there). A step
+asks, under the runtime's step lock, whether the epoch moved before it starts, and a chunk
+or an action goes out only under `_queue_lock` with the epoch unchanged; the interrupt
+holds that lock from before its restore until the queue is dropped, so no action of the
+stopped episode or of the restored queue goes out after it.
 """
 
+import contextlib
 import threading
 import time
 
-from flashrt_ros.runtime import ConfigError, FlashRTError, InvalidRequestError
+from flashrt_ros.runtime import ConfigError, FlashRTError, InvalidRequestError, PreemptedError
 from flashrt_ros.runtime.modes.policy import STATE_KEY
 
 from .modes import Mode
@@ -34,6 +41,9 @@ class PolicyMode(Mode):
         super().__init__(runtime, param, outputs)
         self._timer_stepping = param('stepping') == 'timer'
         self._gate = threading.RLock()  # guards the fields below and taking one in
+        self._queue_lock = threading.Lock()  # a chunk or an action going out; _epoch
+        self._epoch = 0                 # interrupts begun that replace the state
+        self._seen = 0                  # the epoch whose inputs _sync and _latest hold
         self._latest = None             # newest valid observation (timer stepping)
         self._interrupted_at = 0.0      # wall time before which observations are stale
         self._stamp = None              # stamp of the observation of the last chunk
@@ -100,6 +110,7 @@ class PolicyMode(Mode):
         with self._gate:
             if received <= self._interrupted_at:
                 return  # sent before the last interrupt/reset: it belongs to the stopped episode
+            self._catch_up()
             observation, stamp = self._sync.put(key, value, stamp)
             if observation is not None:
                 self.observe(observation, received, stamp)
@@ -116,6 +127,7 @@ class PolicyMode(Mode):
         with self._gate:
             if received <= self._interrupted_at:
                 return  # sent before the last interrupt/reset: it belongs to the stopped episode
+            self._catch_up()
             if not self._timer_stepping:
                 self._step(values, stamp)
                 return
@@ -129,18 +141,23 @@ class PolicyMode(Mode):
     def tick(self):
         rt = self.runtime
         with self._gate:
+            self._catch_up()
+            epoch = self._epoch
             if self._latest is not None and (rt.policy_spec.replan == 'every_step'
                                              or not len(rt.pending_actions())):
                 (values, stamp), self._latest = self._latest, None
                 self._step(values, stamp)
-            try:
-                action = rt.next_action()
-            except FlashRTError as exc:
-                self._out.log('warning', f'control tick: {exc}', throttle_s=5.0)
-                return
-            if action is not None:
-                self._out.actions(rt.position, [action.tolist()], self.joint_names,
-                                  self._stamp)
+            with self._queue_lock:
+                if self._epoch != epoch:
+                    return  # an interrupt came: the queue is the restored one, to be dropped
+                try:
+                    action = rt.next_action()
+                except FlashRTError as exc:
+                    self._out.log('warning', f'control tick: {exc}', throttle_s=5.0)
+                    return
+                if action is not None:
+                    self._out.actions(rt.position, [action.tolist()], self.joint_names,
+                                      self._stamp)
 
     @property
     def takes_instruction(self):
@@ -180,13 +197,32 @@ class PolicyMode(Mode):
                             'queue dropped')
 
     def forget_inputs(self, before=None):
-        with self._gate:
+        with self._gate, self._queue_lock:
             self._interrupted_at = max(self._interrupted_at, before or time.time())
+            self._seen = self._epoch
             self._latest = None
             self._sync.clear()
 
     def quiet(self):
         return self._gate
+
+    @contextlib.contextmanager
+    def interrupting(self, received, replaces):
+        if not replaces:  # a STOP waits for the step in flight: the gate, as a restore call
+            with super().interrupting(received, replaces):
+                yield
+            return
+        with self._queue_lock:  # held until the queue is dropped (after_interrupt)
+            self._epoch += 1
+            self._interrupted_at = max(self._interrupted_at, received)
+            yield
+
+    def _catch_up(self):
+        """Drop the inputs held from before an interrupt that replaced the state (gate held)."""
+        if self._seen != self._epoch:
+            self._seen = self._epoch
+            self._latest = None
+            self._sync.clear()
 
     def after_interrupt(self):
         # After the restore: a restored capsule may hold an older chunk's queue.
@@ -213,8 +249,11 @@ class PolicyMode(Mode):
 
     def _step(self, values, stamp):
         """Fold one observation in (a committed boundary); observation stepping publishes."""
+        epoch = self._epoch
         try:
-            chunk = self.runtime.act(values)
+            chunk = self.runtime.act(values, should_stop=lambda: self._epoch != epoch)
+        except PreemptedError:  # an interrupt replaced the state: its event says so
+            return
         except InvalidRequestError as exc:  # bad input, refused before the state was touched
             self.reject_observation(str(exc))
             return
@@ -223,9 +262,12 @@ class PolicyMode(Mode):
             self._out.log('error', message)
             self._out.event('observation', '', '', 0, 0.0, False, message)
             return
-        self._stamp = stamp
-        if not self._timer_stepping:
-            self._out.actions(chunk.step, chunk.actions.tolist(), self.joint_names, stamp)
+        with self._queue_lock:
+            if self._epoch != epoch:
+                return  # an interrupt came as it ended: the chunk is the stopped episode's
+            self._stamp = stamp
+            if not self._timer_stepping:
+                self._out.actions(chunk.step, chunk.actions.tolist(), self.joint_names, stamp)
 
 
 def _ns(seconds):

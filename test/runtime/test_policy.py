@@ -2,8 +2,9 @@
 
 import json
 import math
+import threading
 
-from flashrt_ros.runtime import ConfigError, FlashRTError, InvalidRequestError
+from flashrt_ros.runtime import ConfigError, FlashRTError, InvalidRequestError, PreemptedError
 from flashrt_ros.runtime.models import ModulePolicyAdapter, PolicySpec, save_policy
 from flashrt_ros.runtime.state.arena import StateSpec
 import pytest
@@ -121,6 +122,63 @@ def test_interrupt_drops_the_pending_queue(policy):
     rt.interrupt()
     assert len(rt.pending_actions()) == 0 and rt.next_action() is None
     assert rt.position == 1  # the folded observation stays; only the stale actions go
+
+
+def act_in_thread(rt, observation):
+    """Start act(observation) on a thread; return it and the list its outcome goes to."""
+    outcome = []
+
+    def run():
+        try:
+            outcome.append(rt.act(observation))
+        except Exception as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+@pytest.mark.parametrize('how', ['restore', 'rollback'])
+def test_a_preempting_restore_or_rollback_abandons_a_running_act(policy, hold_in_forward, how):
+    rt = policy
+    obs = _observations(3, seed=5)
+    rt.act(obs[0])
+    if how == 'restore':
+        rt.next_action()  # the queue as it stands goes into the capsule
+        rt.snapshot('before')
+    else:  # lands on the newest boundary: the abandoned act is none
+        rt.snapshot('before')
+        rt.act(obs[1])
+    digest, queue, position = rt.state_digest(), rt.pending_actions(), rt.position
+    if how == 'restore':
+        rt.act(obs[1])
+    inside = hold_in_forward(rt.adapter.module.backbone.layers[0])  # its state written
+    thread, outcome = act_in_thread(rt, obs[2])
+    assert inside.wait(10.0)
+    info = (rt.restore('before', preempt=True) if how == 'restore'
+            else rt.rollback(1, preempt=True))
+    thread.join(10.0)
+    assert not thread.is_alive() and isinstance(outcome[0], PreemptedError)
+    assert 'abandoned' in str(outcome[0]) and 'no actions' in str(outcome[0])
+    assert info.position == rt.position == position
+    assert rt.state_digest() == digest
+    assert torch.equal(rt.pending_actions(), queue)
+    fresh = _run(rt, obs[2:])  # the torn step left nothing behind: it replays exactly
+    rt.restore('before')
+    if how == 'rollback':
+        rt.act(obs[1])
+    assert _same(_run(rt, obs[2:]), fresh)
+
+
+def test_should_stop_refuses_an_act_before_it_touches_the_state(policy):
+    rt = policy
+    rt.act([0.1, 0.2, 0.3, 0.4])
+    digest, queue = rt.state_digest(), rt.pending_actions()
+    with pytest.raises(PreemptedError, match='did not start'):
+        rt.act([0.5, 0.6, 0.7, 0.8], should_stop=lambda: True)
+    assert rt.state_digest() == digest and torch.equal(rt.pending_actions(), queue)
+    assert rt.act([0.5, 0.6, 0.7, 0.8], should_stop=lambda: False).step == 2
 
 
 def test_reset_and_full_episode(make_runtime):

@@ -1,6 +1,7 @@
 """The writer slot on its own: claims, commits and preemption, with no model at all."""
 
 import threading
+import time
 
 from flashrt_ros.runtime.preemption import ARMED, StepAborted
 from flashrt_ros.runtime.writer import WriterSlot
@@ -179,3 +180,32 @@ def test_one_preemption_at_a_time():
     first.join(10.0)
     second.join(10.0)
     assert order == ['first', 'second']
+
+
+def test_a_call_holding_no_turn_serves_the_preemption_that_abandons_it():
+    log = []
+    slot = _slot(log)
+    module = torch.nn.Identity()
+    started, outcome, ran_on = threading.Event(), [], []
+
+    def call():  # as a policy's act(): the lock, no claim
+        with slot.lock:
+            try:
+                with slot.abortable():
+                    started.set()
+                    deadline = time.monotonic() + 10.0
+                    while time.monotonic() < deadline:
+                        module(torch.zeros(1))
+                outcome.append('ran to its end')
+            except StepAborted:
+                slot.serve(None, torn=True)
+                outcome.append('abandoned')
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    assert started.wait(10.0)
+    result = slot.preempt(lambda from_newest: ran_on.append(threading.current_thread())
+                          or from_newest)
+    thread.join(10.0)
+    assert outcome == ['abandoned'] and ran_on == [thread]
+    assert result is True and log == []  # torn: from the newest boundary; no turn ended

@@ -4,6 +4,7 @@ import threading
 import time
 
 from flashrt_ros.runtime import FlashRTError
+from flashrt_ros.runtime.preemption import ARMED
 from flashrt_ros.session import InterruptMode, Session
 import pytest
 
@@ -102,3 +103,36 @@ def test_a_policy_session_runs_no_turns_and_a_wrong_mode_is_refused(make_session
     with pytest.raises(FlashRTError, match='is a robot policy; set mode to policy'):
         Session(session.runtime, 'lm', {}.get, session._out)
     assert session.mode.diagnostics(session.runtime.stats()).keys() == {'control_step_ms'}
+
+
+@pytest.mark.parametrize('stepping', ['observation', 'timer'])
+def test_an_interrupt_abandons_a_running_control_step(make_session, settings, stepping,
+                                                      hold_in_forward):
+    """A RESTORE abandons the step in flight; none of its actions go out; the queue is dropped."""
+    settings['stepping'] = stepping
+    session, out = make_session(POLICY, 'policy')
+    rt, mode = session.runtime, session.mode
+    mode.observe(_obs(session, 0.1), time.time())
+    mode.tick()
+    rt.snapshot('mark')
+    digest, published = rt.state_digest(), len(out.actions_out)
+    inside = hold_in_forward(rt.adapter.module.backbone.layers[0])
+    if stepping == 'timer':
+        mode.observe(_obs(session, 0.2), time.time())  # taken in; the tick steps on it
+    step = threading.Thread(target=mode.tick if stepping == 'timer' else
+                            lambda: mode.observe(_obs(session, 0.2), time.time()))
+    step.start()
+    assert inside.wait(10.0)
+    assert ARMED.value == 0  # the step waits for a preemption, which only the interrupt arms
+    session.interrupts.apply('interrupt', InterruptMode.RESTORE, 1, 'mark', '', time.time())
+    step.join(10.0)
+    assert not step.is_alive()
+    event = out.events[-1]
+    assert event['operation'] == 'interrupt' and event['success'], event
+    assert event['message'].endswith('; action queue dropped')
+    assert len(out.actions_out) == published, 'a chunk or action went out after the interrupt'
+    assert rt.position == 1 and len(rt.pending_actions()) == 0
+    rt.restore('mark')
+    assert rt.state_digest() == digest  # (the restore put it in place; the drop came after)
+    mode.tick()
+    assert len(out.actions_out) == published + 1  # stepping goes on

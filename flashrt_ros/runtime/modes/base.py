@@ -108,7 +108,7 @@ class Driver:
 
     policy_spec = None
 
-    def act(self, observation):
+    def act(self, observation, should_stop=None):
         raise self.refused('act()', POLICY)
 
     def check_observation(self, observation):

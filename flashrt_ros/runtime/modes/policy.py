@@ -9,7 +9,10 @@ position counts control steps and every act() is a committed boundary. The actio
 and its queue of not-yet-executed actions are arena state (kind "actions"): `left` counts
 down as actions are taken and is 0 after a reset or a drop, so a capsule, a restore or a
 rollback carries the queue like the rest of the state; interrupt() drops it.
-An act() runs to its end: a preemption waits for it rather than abandon it.
+A preempting restore or rollback abandons a running act(), encode() or sample() at its next
+module call and replaces the state on that call's thread (writer.py); the call raises
+PreemptedError. should_stop, asked under the step lock before a control step starts, lets
+a caller drop an observation that a restore has made stale while it waited.
 """
 
 from __future__ import annotations
@@ -21,13 +24,17 @@ import time
 import torch
 
 from .base import Driver
-from ..errors import FlashRTError, InvalidRequestError
+from ..errors import FlashRTError, InvalidRequestError, PreemptedError
 from ..models.base import PolicyAdapter, PolicySpec
-from ..preemption import guarded_forward
+from ..preemption import guarded_forward, StepAborted
 from ..state.arena import StateSpec
 
 STATE_KEY = 'observation.state'
 IMAGE_PREFIX = 'observation.images.'
+STALE = ('the control step did not start: a restore or rollback replaced the state while it '
+         'waited; no actions were produced')
+ABANDONED = ('the control step was abandoned: a restore or rollback replaced the state while '
+             'it ran; no actions were produced')
 HISTORY_CHUNK = 2048  # observations per forward: bounds activation memory for long histories
 # ROS image encodings taken, as (channels, the order that gives RGB).
 ENCODINGS = {'rgb8': (3, (0, 1, 2)), 'bgr8': (3, (2, 1, 0)), 'mono8': (1, (0, 0, 0)),
@@ -74,7 +81,6 @@ class PolicyDriver(Driver):
     name = 'policy'
     kind = 'a robot policy'
     calls = 'call act(observation)'
-    abortable_steps = False
     CHUNK, LEFT = 'policy.actions', 'policy.actions_left'
     # As the engine, for stats(): no graph.
     graph, replays, graph_error = None, 0, 'policy steps run eagerly (no CUDA graph capture yet)'
@@ -225,12 +231,14 @@ class PolicyDriver(Driver):
 
     # ---- calls (Runtime's say what they do) --------------------------------------------
 
-    def act(self, observation) -> ActionChunk:
+    def act(self, observation, should_stop=None) -> ActionChunk:
         rt = self.rt
         observations = self.check_observation(observation)  # float32 host tensors
         t0 = time.perf_counter()
         with rt.writer.lock:
             rt._check_idle()
+            if should_stop is not None and should_stop():
+                raise PreemptedError(STALE)
             return self.control_step(observations, t0)
 
     def _begin(self, steps: int) -> None:
@@ -245,12 +253,20 @@ class PolicyDriver(Driver):
 
     @contextlib.contextmanager
     def _guarded(self):
-        """Run a forward over the state (lock held); if it fails, put the queue back too."""
+        """
+        Run a forward over the state (lock held); if it fails, put the queue back too.
+
+        A waiting restore or rollback abandons the forward and replaces the state here, on
+        this thread, before anything else can take the lock (PreemptedError follows).
+        """
         rt = self.rt
         left = int(self.left)  # next_action/drop_actions change it, uncommitted
         try:
-            with guarded_forward(rt), torch.no_grad():
+            with rt.writer.abortable(), guarded_forward(rt), torch.no_grad():
                 yield
+        except StepAborted:
+            rt.writer.serve(None, torn=True)
+            raise PreemptedError(ABANDONED) from None
         except BaseException:
             if rt.ring.depth > 0:  # (else the state was reset)
                 self.left.fill_(left)  # the queue as it was before the call
