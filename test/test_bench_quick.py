@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAT_KEYS = {'median', 'p10', 'p90', 'n'}
 
@@ -103,3 +105,24 @@ def test_arch_check_knows_which_builds_run_on_a_device():
     assert not arch_supported((9, 0), ['sm_100a', 'compute_100'])  # PTX never runs backward
     assert not arch_supported((10, 3), ['sm_100a']) and arch_supported((10, 0), ['sm_100a'])
     assert not arch_supported((8, 0), [])
+
+
+def test_bench_interrupts_in_policy_and_speech_mode_over_ros(tmp_path):
+    """fig5modes --quick: every RESTORE is answered; each one cuts the long audio chunk."""
+    from conftest import ros_available
+    if not ros_available():
+        pytest.skip('rclpy or the generated interfaces are not importable (make setup)')
+    _, data = _bench(tmp_path, 'modes', 'fig5modes', ['128'])
+    fig = data['figures']['fig5modes']
+    assert 'error' not in fig, fig.get('error')
+    assert fig['exit_codes'] == {'policy': 0, 'speech': 0}
+    rows = {r['mode']: r for r in fig['rows']}
+    assert set(rows) == {'policy', 'speech'}
+    for mode, row in rows.items():
+        assert row['missed'] == 0, mode
+        assert row['received_to_restored']['n'] == row['rounds'], mode
+        assert row['step_ms']['n'] >= 1 and row['step_ms']['median'] > 0, mode
+        stages = [row[s]['median'] for s in ('callback', 'checked', 'armed', 'step_left',
+                                             'copied', 'restored')]
+        assert stages == sorted(stages), (mode, stages)
+    assert rows['speech']['cut_or_abandoned'] == rows['speech']['rounds']  # each cut short

@@ -33,8 +33,10 @@ from .measure import BENCH_MODEL
 from .peer import fig7_peer, PEER_ENV
 from .report import to_markdown, to_text
 
-FIGURES = ('fig1', 'fig2', 'fig3', 'fig4', 'fig5', 'fig5disk', 'fig6', 'fig7', 'fig8')
-ROS_FIGURES = {'fig5', 'fig5disk', 'fig8'}  # node processes only: no runtime in this process
+FIGURES = ('fig1', 'fig2', 'fig3', 'fig4', 'fig5', 'fig5disk', 'fig5modes', 'fig6', 'fig7',
+           'fig8')
+# Node processes only: no runtime in this process.
+ROS_FIGURES = {'fig5', 'fig5disk', 'fig5modes', 'fig8'}
 FULL_LENGTHS = [512, 1024, 2048, 4096, 8192, 16384]
 QUICK_LENGTHS = [256, 512]
 
@@ -128,6 +130,10 @@ def run_figure(key, rt, args, plan, log):
             from .disk_interrupts import fig5_disk_interrupts
 
             result = fig5_disk_interrupts(plan, args.device, log)
+        elif key == 'fig5modes':
+            from .mode_interrupts import fig5_mode_interrupts
+
+            result = fig5_mode_interrupts(plan, args.device, log)
         elif key == 'fig8':
             from .transfer import fig8_transfer  # node processes over DDS, as fig5
 
