@@ -16,7 +16,9 @@ rollback the stream starts over: the next chunk's index is taken as it comes.
 against forget_inputs, which run on other threads: audio sent before an interrupt is not
 fed into the state the interrupt put in place. An interrupt does not wait for a long chunk:
 quiet() asks the chunk being fed to stop at its next frame (the rest is dropped and said so
-on ~/events), so it waits at most one frame. docs/semantics.md has the barge-in recipes.
+on ~/events). A long chunk is fed and its transcript published SLICE_S of audio at a time,
+so an interrupt waits for one frame and one slice's transcript at most, and the words of a
+long chunk go out as they are heard. docs/semantics.md has the barge-in recipes.
 """
 
 import contextlib
@@ -25,9 +27,11 @@ import threading
 import time
 
 from flashrt_ros.runtime import FlashRTError
-from flashrt_ros.runtime.modes.speech import QUIET_DB, QUIET_S, Transcriber
+from flashrt_ros.runtime.modes.speech import FedAudio, QUIET_DB, QUIET_S, Transcriber
 
 from .modes import Mode
+
+SLICE_S = 1.0  # audio per feed and per transcript chunk, at most
 
 
 class SpeechMode(Mode):
@@ -80,7 +84,7 @@ class SpeechMode(Mode):
                     f'{expected}, or reset')
                 return []
             try:
-                events = self.runtime.feed_audio(samples, sample_rate, self._cut.is_set)
+                events = self._feed(samples, sample_rate, stamp)
             except FlashRTError as exc:  # bad audio or a full utterance: refused untouched
                 self.reject_audio(str(exc))
                 return []
@@ -93,16 +97,47 @@ class SpeechMode(Mode):
                 self._next_sample = first_sample + len(samples)
             if received is not None:  # from the middleware's receipt to its frames' end
                 self._lag_s = max(0.0, time.time() - received)
-            if stamp is not None:
-                rate = sample_rate or self.runtime.speech_spec.sample_rate
-                stamp += round(events.last_sample * 1e9 / rate)
-            self._publish(events, final=False, stamp=stamp)
             if events.cut:
                 self._out.event('audio', '', '', 0, 0.0, False,
                                 f'audio chunk cut by an interrupt at frame boundary '
                                 f'{self.runtime.position}: its last {events.dropped_samples} '
                                 'samples were dropped')
             return events
+
+    def _feed(self, samples, sample_rate, stamp):
+        """
+        Feed a chunk SLICE_S of audio at a time, publishing each slice's transcript (gate held).
+
+        The first call is given the whole chunk, so that bad audio or a full utterance is
+        refused before anything is fed; it pauses after SLICE_S of frames (a should_stop
+        that counts them) and the rest follows in slices. Returns every slice's events; cut
+        and dropped_samples say what an interrupt left untaken, last_sample counts from the
+        chunk's first sample.
+        """
+        rt, spec = self.runtime, self.runtime.speech_spec
+        rate = sample_rate or spec.sample_rate
+        frames = max(1, round(SLICE_S * spec.sample_rate / spec.frame_size))
+        asked = [0]
+
+        def pause_or_cut():  # asked before each frame is begun
+            asked[0] += 1
+            return self._cut.is_set() or asked[0] > frames
+
+        fed, total, start, stop = FedAudio(), len(samples), 0, len(samples)
+        piece = rt.feed_audio(samples, sample_rate, pause_or_cut)
+        while True:
+            if piece:
+                fed.last_sample = start + piece.last_sample
+                self._publish(piece, final=False, stamp=None if stamp is None else
+                              stamp + round(fed.last_sample * 1e9 / rate))
+                fed += piece
+            start = stop - piece.dropped_samples if piece.cut else stop
+            if start >= total or self._cut.is_set():
+                break
+            stop = min(total, start + max(1, round(SLICE_S * rate)))
+            piece = rt.feed_audio(samples[start:stop], sample_rate, self._cut.is_set)
+        fed.cut, fed.dropped_samples = start < total, total - start
+        return fed
 
     def flush(self):
         """Publish the words the text delay holds back (final chunk); state unchanged."""

@@ -127,6 +127,24 @@ def test_an_interrupt_cuts_a_long_chunk_at_the_next_frame(speech):
     assert out.events[-1]['operation'] == 'interrupt' and out.events[-1]['success']
 
 
+def test_a_long_chunk_is_fed_and_transcribed_a_slice_at_a_time(speech, make_session):
+    """A 4 s chunk: transcript chunks of at most SLICE_S each, the state of one feed."""
+    from flashrt_ros.session.speech import SLICE_S
+    session, out = speech
+    audio, stamp = _audio(50, seed=3)[:50 * FRAME - 7], 7_000_000_000
+    events = session.mode.audio(audio, 24000, 0, time.time(), stamp)
+    assert len(events) == 50 and not events.cut and events.last_sample == 49 * FRAME
+    chunks = out.transcripts
+    assert len(chunks) >= 4 * SLICE_S, 'one transcript chunk per slice of audio'
+    assert all(c['stamp'] <= stamp + round(len(audio) * 1e9 / 24000) for c in chunks)
+    assert [c['stamp'] for c in chunks] == sorted(c['stamp'] for c in chunks)
+    ids = [i for c in chunks for i in c['ids']]
+    assert ids == [e.token_id for e in events if session.mode.transcriber.is_text(e.token_id)]
+    whole, _ = make_session(STT, 'speech', rollback_depth=16)
+    assert len(whole.runtime.feed_audio(audio, 24000)) == 50
+    assert whole.runtime.state_digest() == session.runtime.state_digest()  # exact
+
+
 def test_chunks_carry_words_with_audio_times_and_the_audio_stamp(speech):
     session, out = speech
     script_tokens(session.runtime)
