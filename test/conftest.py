@@ -33,10 +33,11 @@ def ros_context():
 @pytest.fixture
 def hold_in_forward():
     """
-    Return hold(module): forwards through `module` wait after it until a preemption is armed.
+    Return hold(module): the next forward through `module` waits there for a preemption.
 
-    hold returns an event set once one waits (at most 10 s); the hooks go at teardown. A
-    step held after a layer that wrote its state is torn when a preemption abandons it.
+    hold returns an event set once it waits (at most 10 s; later forwards run on); the hooks
+    go at teardown. A step held after a layer that wrote its state is torn when a
+    preemption abandons it.
     """
     from flashrt_ros.runtime.preemption import ARMED
 
@@ -46,6 +47,8 @@ def hold_in_forward():
         inside = threading.Event()
 
         def wait_for_a_preemption(_module, _args, _output):
+            if inside.is_set():
+                return
             inside.set()
             deadline = time.monotonic() + 10.0
             while ARMED.value == 0 and time.monotonic() < deadline:

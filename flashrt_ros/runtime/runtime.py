@@ -396,7 +396,9 @@ class Runtime:
         raises InvalidRequestError before the state is touched; a frame that fails in the
         model puts the state back at the last completed frame (a reset with rollback_depth
         0) and raises. should_stop() is asked before each frame: True ends the call there
-        (the result's `cut`), the rest of the samples untaken.
+        (the result's `cut`), the rest of the samples untaken. A restore or rollback with
+        preempt=True abandons the frame in flight and replaces the state: the result is
+        `cut` and `preempted`.
         """
         return self.driver.feed_audio(samples, sample_rate, should_stop)
 

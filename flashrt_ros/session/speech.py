@@ -16,9 +16,13 @@ rollback the stream starts over: the next chunk's index is taken as it comes.
 against forget_inputs, which run on other threads: audio sent before an interrupt is not
 fed into the state the interrupt put in place. An interrupt does not wait for a long chunk:
 quiet() asks the chunk being fed to stop at its next frame (the rest is dropped and said so
-on ~/events). A long chunk is fed and its transcript published SLICE_S of audio at a time,
-so an interrupt waits for one frame and one slice's transcript at most, and the words of a
-long chunk go out as they are heard. docs/semantics.md has the barge-in recipes.
+on ~/events), so a STOP waits for one frame at most. An interrupt or reset that restores
+or rolls back does not wait for the gate: as in policy mode it counts an epoch under
+`_queue_lock`, and its restore abandons the frame in flight at its next module call; the
+feed asks for the epoch before each frame and publishes a transcript only if it still holds,
+and the inputs and transcript of the stopped episode are dropped at the next chunk. A long
+chunk is fed and its transcript published SLICE_S of audio at a time, so its words go out
+as they are heard. docs/semantics.md has the barge-in recipes.
 """
 
 import contextlib
@@ -45,6 +49,9 @@ class SpeechMode(Mode):
         super().__init__(runtime, param, outputs)
         self._gate = threading.RLock()  # guards the fields below and feeding a chunk
         self._cut = threading.Event()   # set while an interrupt waits for the gate
+        self._queue_lock = threading.Lock()  # a transcript going out; _epoch
+        self._epoch = 0                 # interrupts begun that replace the state
+        self._seen = 0                  # the epoch the stream and transcript belong to
         self._next_sample = None        # expected first_sample of the next chunk (None: any)
         self._interrupted_at = 0.0      # wall time before which audio is stale
         self._lag_s = 0.0               # receipt of the last chunk -> its frames done
@@ -75,6 +82,7 @@ class SpeechMode(Mode):
         with self._gate:
             if received is not None and received <= self._interrupted_at:
                 return []  # sent before the last interrupt/reset: the stopped episode's
+            self._catch_up()
             expected = self._next_sample
             if first_sample >= 0 and expected is not None and first_sample != expected:
                 what = 'missing' if first_sample > expected else 'repeated'
@@ -117,32 +125,40 @@ class SpeechMode(Mode):
         rt, spec = self.runtime, self.runtime.speech_spec
         rate = sample_rate or spec.sample_rate
         frames = max(1, round(SLICE_S * spec.sample_rate / spec.frame_size))
-        asked = [0]
+        epoch, asked = self._epoch, [0]
 
-        def pause_or_cut():  # asked before each frame is begun
+        def stopped():  # asked before each frame is begun, under the step lock
+            return self._cut.is_set() or self._epoch != epoch
+
+        def paused():
             asked[0] += 1
-            return self._cut.is_set() or asked[0] > frames
+            return stopped() or asked[0] > frames
 
         fed, total, start, stop = FedAudio(), len(samples), 0, len(samples)
-        piece = rt.feed_audio(samples, sample_rate, pause_or_cut)
+        piece = rt.feed_audio(samples, sample_rate, paused)
         while True:
             if piece:
                 fed.last_sample = start + piece.last_sample
-                self._publish(piece, final=False, stamp=None if stamp is None else
-                              stamp + round(fed.last_sample * 1e9 / rate))
+                with self._queue_lock:
+                    if self._epoch == epoch:  # else: the stopped episode's words
+                        self._publish(piece, final=False, stamp=None if stamp is None else
+                                      stamp + round(fed.last_sample * 1e9 / rate))
                 fed += piece
             start = stop - piece.dropped_samples if piece.cut else stop
-            if start >= total or self._cut.is_set():
+            fed.preempted = fed.preempted or piece.preempted
+            if start >= total or stopped():
                 break
             stop = min(total, start + max(1, round(SLICE_S * rate)))
-            piece = rt.feed_audio(samples[start:stop], sample_rate, self._cut.is_set)
+            piece = rt.feed_audio(samples[start:stop], sample_rate, stopped)
         fed.cut, fed.dropped_samples = start < total, total - start
         return fed
 
     def flush(self):
         """Publish the words the text delay holds back (final chunk); state unchanged."""
         with self._gate:
-            events = self.runtime.flush(self._cut.is_set)
+            self._catch_up()
+            epoch = self._epoch
+            events = self.runtime.flush(lambda: self._cut.is_set() or self._epoch != epoch)
             if events.cut:  # the episode it would have ended is over: nothing to finalise
                 self._out.event('flush', '', '', 0, 0.0, False,
                                 'flush cut by an interrupt: no final transcript chunk')
@@ -171,12 +187,36 @@ class SpeechMode(Mode):
         self._out.event('audio', '', '', 0, 0.0, False, message)
 
     def forget_inputs(self, before=None):
-        with self._gate:
+        with self._gate, self._queue_lock:
             self._interrupted_at = max(self._interrupted_at, before or time.time())
-            self._next_sample = None
-            self.utterance += 1
-            self.transcriber.reset()
-            self._ends = 0
+            self._seen = self._epoch
+            self._start_over()
+
+    def _start_over(self):
+        """Start a new episode: the stream numbering and the transcript (gate held)."""
+        self._next_sample = None
+        self.utterance += 1
+        self.transcriber.reset()
+        self._ends = 0
+
+    def _catch_up(self):
+        """Start over if an interrupt replaced the state since the last chunk (gate held)."""
+        if self._seen != self._epoch:
+            self._seen = self._epoch
+            self._start_over()
+
+    @contextlib.contextmanager
+    def interrupting(self, received, replaces):
+        if not replaces:  # a STOP: the feed stops at its next frame and lets go of the gate
+            with super().interrupting(received, replaces):
+                yield
+            return
+        with self._queue_lock:  # no transcript of the stopped episode goes out after this
+            self._epoch += 1
+            self._interrupted_at = max(self._interrupted_at, received)
+            yield
+        with self._gate:  # the restore is done; the cut chunk's event goes out before ours
+            pass
 
     @contextlib.contextmanager
     def quiet(self):

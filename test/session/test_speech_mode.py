@@ -145,6 +145,32 @@ def test_a_long_chunk_is_fed_and_transcribed_a_slice_at_a_time(speech, make_sess
     assert whole.runtime.state_digest() == session.runtime.state_digest()  # exact
 
 
+def test_a_restore_abandons_the_frame_in_flight(speech, hold_in_forward):
+    """A RESTORE does not wait for the frame: the feed is preempted, its words never go out."""
+    session, out = speech
+    rt = session.runtime
+    _stream(session, _audio(3, seed=7))
+    session.snapshot('before')
+    before, said = rt.state_digest(), len(out.transcripts)
+    inside = hold_in_forward(rt.adapter.model.model.layers[0])  # its cache row written
+    fed = []
+    feeding = threading.Thread(
+        target=lambda: fed.append(session.mode.audio(_audio(40, seed=8), 24000, 3 * FRAME,
+                                                     time.time())))
+    feeding.start()
+    assert inside.wait(10.0)
+    session.interrupts.apply('interrupt', InterruptMode.RESTORE, 1, 'before', '', time.time())
+    feeding.join(10.0)
+    assert not feeding.is_alive() and fed[0].preempted and fed[0].cut
+    assert rt.state_digest() == before and len(out.transcripts) == said
+    kinds = [e['operation'] for e in out.events]
+    assert kinds[-2:] == ['audio', 'interrupt'] and out.events[-1]['success']
+    assert 'dropped' in out.events[-2]['message']
+    # The stream starts over: the next chunk is numbered afresh, a new utterance.
+    session.mode.audio(_audio(3, seed=9), 24000, 0, time.time())
+    assert rt.position > 0 and out.transcripts[-1]['utterance'] == session.mode.utterance
+
+
 def test_chunks_carry_words_with_audio_times_and_the_audio_stamp(speech):
     session, out = speech
     script_tokens(session.runtime)

@@ -23,11 +23,14 @@ events (below).
 
 A feed or a flush asks should_stop() before each frame it begins (so after each commit):
 when it says stop, nothing more of the call's samples is taken in, not even into the
-partial frame, so a cut feed leaves the state at the last frame it committed.
+partial frame, so a cut feed leaves the state at the last frame it committed. A preempting
+restore or rollback abandons a feed's frame in flight at its next module call and replaces
+the state on the feeding thread (writer.py); the feed returns cut and `preempted`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 import math
@@ -41,7 +44,7 @@ from .base import Driver
 from ..engine import Engine
 from ..errors import InvalidRequestError
 from ..models.speech import KyutaiSTTAdapter, SpeechSpec
-from ..preemption import guarded_forward
+from ..preemption import guarded_forward, StepAborted
 from ..state.arena import StateSpec
 
 SAMPLE_FORMATS = ('int16', 'float32')
@@ -61,6 +64,7 @@ class FedAudio(list):
     """The events of the frames a feed or flush ran; whether should_stop cut it short."""
 
     cut = False
+    preempted = False  # a restore or rollback abandoned a frame and replaced the state
     dropped_samples = 0  # samples of the call not taken in (at the rate they were sent)
     last_sample = 0  # samples of the call taken in when its last frame completed
 
@@ -225,13 +229,20 @@ class SpeechDriver(Driver):
             out = chunk if rate is None else resampler.process(chunk, rate)
             partial[adapter.samples:adapter.samples + out.numel()].copy_(out)
             adapter.samples += out.numel()
-            done += take
+            begun, done = done, done + take
             if prefix:
                 adapter.silence_left -= take
             if adapter.samples < frame_size:
                 break
-            with guarded_forward(self.rt):  # a torn frame goes: back to the last completed one
-                events += self._frame()
+            try:  # a frame of the live state may be abandoned; a flush's copy may not
+                with (self.rt.writer.abortable() if commit else contextlib.nullcontext()), \
+                        guarded_forward(self.rt):  # torn by an error: the last frame back
+                    events += self._frame()
+            except StepAborted:
+                self.rt.writer.serve(None, torn=True)  # the waiting restore replaces it
+                events.cut = events.preempted = True
+                events.dropped_samples = audio.numel() - begun
+                break
             events.last_sample = 0 if prefix else done
             if commit:
                 self.rt.writer.commit()
