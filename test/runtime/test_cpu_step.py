@@ -370,3 +370,18 @@ def test_the_aarch64_build_agrees_with_this_one(tmp_path, arch, lanes):
         assert here.numel() == there.numel() > 0
         # float32 rounding apart: the compilers contract multiply-adds differently
         assert torch.allclose(here, there, rtol=1e-5, atol=1e-5), (here - there).abs().max()
+
+
+def test_the_real_size_benchmark_model_has_qwen3_5_0_8b_shape():
+    # builtin:bench-0.8b is the benchmark's real-size model: Qwen3.5-0.8B's layer sizes,
+    # vocabulary and tied embeddings (752M parameters), built on the meta device here.
+    import transformers
+    from flashrt_ros.runtime.models.builtin import BUILTINS
+
+    spec = BUILTINS['bench-0.8b']
+    config = getattr(transformers, spec.config_class)(**spec.kwargs)
+    with torch.device('meta'):
+        model = getattr(transformers, spec.model_class)(config)
+    assert sum(p.numel() for p in model.parameters()) == 752_393_024
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert config.layer_types.count('full_attention') == 6

@@ -67,6 +67,16 @@ BUILTINS: dict[str, BuiltinSpec] = {
         'linear_num_key_heads': 4, 'linear_num_value_heads': 8, 'linear_key_head_dim': 64,
         'linear_value_head_dim': 64, 'linear_conv_kernel_dim': 4},
         'Qwen3-Next-style hybrid for benchmarks'),
+    # Qwen3.5-0.8B's shape (752M parameters, its vocabulary size and tied embeddings): what
+    # the compiled CPU step and llama.cpp do with a real-size model; 1.5 GB in bf16.
+    'bench-0.8b': BuiltinSpec('Qwen3NextConfig', 'Qwen3NextForCausalLM', {
+        'vocab_size': 248320, 'tie_word_embeddings': True, 'hidden_size': 1024,
+        'intermediate_size': 3584, 'num_hidden_layers': 24, 'head_dim': 256,
+        'num_attention_heads': 8, 'num_key_value_heads': 2, 'max_position_embeddings': 65536,
+        'layer_types': [_LIN, _LIN, _LIN, _FULL] * 6, 'mlp_only_layers': list(range(24)),
+        'linear_num_key_heads': 16, 'linear_num_value_heads': 16, 'linear_key_head_dim': 128,
+        'linear_value_head_dim': 128, 'linear_conv_kernel_dim': 4},
+        'Qwen3.5-0.8B-shaped hybrid for benchmarks (random weights)'),
     # A small SSM with a large state (about 30 MB in float32): the disk-write load of the
     # benchmarks' interrupt measurement, cheap to step.
     'bench-big-state': BuiltinSpec('Mamba2Config', 'Mamba2ForCausalLM', {
@@ -154,14 +164,9 @@ def build_builtin(name: str, dtype: torch.dtype):
             + ', '.join(f'builtin:{n}' for n in [*BUILTINS, *POLICY_BUILTINS, *SPEECH_BUILTINS])
         )
     spec = BUILTINS[name]
-    config = getattr(transformers, spec.config_class)(
-        vocab_size=VOCAB,
-        bos_token_id=256,
-        eos_token_id=257,
-        pad_token_id=258,
-        initializer_range=INIT_STD,
-        **spec.kwargs,
-    )
+    config = getattr(transformers, spec.config_class)(**{
+        'vocab_size': VOCAB, 'bos_token_id': 256, 'eos_token_id': 257, 'pad_token_id': 258,
+        'initializer_range': INIT_STD, **spec.kwargs})
     # Weights come from a private RNG so building a model never disturbs the caller's seed.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
