@@ -25,6 +25,10 @@ from .measure import (cpu_info, first_token_s, restored_first_token_s, sample_in
 
 PEER_LENGTHS = (512, 2048, 8192, 16384)
 GGUF_TYPES = {torch.float32: 'f32', torch.bfloat16: 'bf16'}  # the model's dtype, unchanged
+BF16_TOKENS_NOTE = ('same tokens: in bf16 each side rounds differently (llama.cpp rounds the '
+                    'activations to bf16 before every product, ours keep them float32), so '
+                    'greedy tokens may part where two logits are close; docs/architecture.md '
+                    'gives the compiled step\'s agreement with transformers in bf16')
 PEER_ENV = 'FLASHRT_PEER_PYTHON'
 WORKER = Path(__file__).with_name('peer_worker.py')
 
@@ -57,8 +61,10 @@ def qwen35_checkpoint(model, directory):
         raise ValueError(f'the peer figure converts qwen3_next models, not {cfg.model_type!r}')
     hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
     r, dv = cfg.linear_num_value_heads // hk, cfg.linear_value_head_dim
-    tensors = {}
+    tensors, tied = {}, bool(cfg.tie_word_embeddings)
     for name, t in model.state_dict().items():
+        if tied and name == 'lm_head.weight':  # the embedding's own rows, written once
+            continue
         t = t.detach().clone()  # its own memory: safetensors refuses shared storage
         if name.endswith('in_proj_qkvz.weight'):
             q, k, v, z = t.view(hk, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], 1)
@@ -82,7 +88,7 @@ def qwen35_checkpoint(model, directory):
               if not k.startswith(('num_experts', 'moe_', 'shared_expert', 'decoder_sparse',
                                    'norm_topk', 'output_router', 'router_aux', 'mlp_only'))}
     config.update(architectures=['Qwen3_5ForCausalLM'], model_type='qwen3_5_text',
-                  torch_dtype=str(model.dtype).removeprefix('torch.'), tie_word_embeddings=False)
+                  torch_dtype=str(model.dtype).removeprefix('torch.'), tie_word_embeddings=tied)
     (out / 'config.json').write_text(json.dumps(config, indent=1, default=str))
     return out
 
@@ -191,6 +197,7 @@ def fig7_peer(rt, plan, log, python=None):
     return {
         'title': title,
         'dtype': dtype,
+        'note': BF16_TOKENS_NOTE if rt.adapter.dtype == torch.bfloat16 else None,
         'cpu_info': cpu_info(rt),
         **loaded,
         'rows': rows,

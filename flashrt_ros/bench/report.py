@@ -282,6 +282,8 @@ def sections(results):
     """Yield (title, header, rows, notes) for every figure that has results, then targets."""
     for key, fig in results['figures'].items():
         notes = list(fig.get('skipped', [])) + ([fig['error']] if 'error' in fig else [])
+        if fig.get('note'):
+            notes.append(fig['note'])
         if fig.get('llama_cpp_skipped'):
             notes.append(f'llama.cpp not measured: {fig["llama_cpp_skipped"]}')
         cpu = fig.get('cpu', {})
