@@ -30,6 +30,9 @@ BF16_TOKENS_NOTE = ('same tokens: in bf16 each side rounds differently (llama.cp
                     'greedy tokens may part where two logits are close; docs/architecture.md '
                     'gives the compiled step\'s agreement with transformers in bf16')
 PEER_ENV = 'FLASHRT_PEER_PYTHON'
+# Decode rounds per length, the sides alternating: a round is tens of ms, so one side's
+# turn can meet the other's threads still winding down; few rounds leave the median to that.
+DECODE_ROUNDS = 8
 WORKER = Path(__file__).with_name('peer_worker.py')
 
 
@@ -247,7 +250,7 @@ def _peer_row(rt, peer, plan, length, log):
         peer_first.append(reply['s'])
         first_tokens.add((token, reply['token']))
     tps, peer_tps, same_tokens = [], [], True
-    for _ in range(max(2, plan.repeats)):
+    for _ in range(max(DECODE_ROUNDS, plan.repeats)):
         ours, ids = _runtime_decode(rt, name, plan.decode_steps)
         reply = peer('decode', name=name, steps=plan.decode_steps)
         tps.append(ours)
