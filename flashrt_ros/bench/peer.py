@@ -28,7 +28,7 @@ GGUF_TYPES = {torch.float32: 'f32', torch.bfloat16: 'bf16'}  # the model's dtype
 BF16_TOKENS_NOTE = ('same tokens: in bf16 each side rounds differently (llama.cpp rounds the '
                     'activations to bf16 before every product, ours keep them float32), so '
                     'greedy tokens may part where two logits are close; docs/architecture.md '
-                    'gives the compiled step\'s agreement with transformers in bf16')
+                    "gives the compiled step's agreement with transformers in bf16")
 PEER_ENV = 'FLASHRT_PEER_PYTHON'
 # Decode rounds per length, the sides alternating: a round is tens of ms, so one side's
 # turn can meet the other's threads still winding down; few rounds leave the median to that.
