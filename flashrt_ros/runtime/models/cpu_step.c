@@ -336,12 +336,12 @@ static void project(const void *const *w, const int64_t *rows, int count, const 
      * they stream from memory, where one sequential stream per thread reads fastest. */
     const int64_t bytes = n * k * (bf ? 2 : 4);
     const int most = bytes >= 4 * PARALLEL_MIN ? 1 : T == 1 ? 4 : T == 2 ? 2 : 1;
+    /* Split by multiply-adds whatever the dtype: a bf16 row costs nearly a float32 row's
+     * arithmetic (it widens in registers), so halving its bytes does not halve its work. */
     if (bf)
-        SPLIT(n, bytes / 4 * T, nthreads,
-              project_rows(w, rows, x, y, k, T, width, lo, hi, most, 1));
+        SPLIT(n, n * k * T, nthreads, project_rows(w, rows, x, y, k, T, width, lo, hi, most, 1));
     else
-        SPLIT(n, bytes / 4 * T, nthreads,
-              project_rows(w, rows, x, y, k, T, width, lo, hi, most, 0));
+        SPLIT(n, n * k * T, nthreads, project_rows(w, rows, x, y, k, T, width, lo, hi, most, 0));
 }
 
 /* y[t, n] = W[n, k] x[t, k] for t < T */
