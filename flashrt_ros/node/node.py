@@ -256,6 +256,9 @@ class FlashRTNode(LifecycleNode):
                 session.close()
             except Exception as exc:
                 self.get_logger().warning(f'closing the runtime: {exc}')
+            # The closed runtime's objects were frozen at activate: give them back to the
+            # collector (the next activate collects and freezes again).
+            gc.unfreeze()
 
     def destroy_node(self):
         """Stop the control path and the events thread, then destroy the node."""

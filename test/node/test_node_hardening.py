@@ -2,9 +2,10 @@
 Hardening of the node's surface.
 
 The e-stop beside disk I/O, read-only runtime parameters, the protected home capsule, and
-a capsule directory of its own per node.
+a capsule directory of its own per node, the collector kept off the long-lived objects.
 """
 
+import gc
 import threading
 
 from flashrt_ros.msg import Interrupt
@@ -160,3 +161,15 @@ def test_each_node_has_a_capsule_directory_of_its_own():
     assert parameters.capsule_dir(parameters.DEFAULT_CAPSULE_DIR, '/left_arm/flashrt') == \
         '~/.cache/flashrt_ros/capsules/left_arm/flashrt'
     assert parameters.capsule_dir('/data/capsules', '/flashrt') == '/data/capsules'
+
+
+def test_the_long_lived_objects_are_out_of_the_collectors_reach_while_active(tmp_path):
+    # A full collection over the model's objects holds the interpreter lock for a fifth of a
+    # second: an interrupt would wait that long. Active, they are frozen; cleaned up, the
+    # closed runtime's objects go back to the collector.
+    params = dict(NODE_A_PARAMS, capsule_dir=str(tmp_path))
+    with node_in_process('flashrt_frozen', params) as (client, node):
+        assert gc.get_freeze_count() > 10_000
+        node.trigger_deactivate()
+        node.trigger_cleanup()
+        assert gc.get_freeze_count() == 0
