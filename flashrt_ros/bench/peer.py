@@ -30,8 +30,9 @@ BF16_TOKENS_NOTE = ('same tokens: in bf16 each side rounds differently (llama.cp
                     'greedy tokens may part where two logits are close; docs/architecture.md '
                     "gives the compiled step's agreement with transformers in bf16")
 PEER_ENV = 'FLASHRT_PEER_PYTHON'
-# Decode rounds per length, the sides alternating: a round is tens of ms, so one side's
-# turn can meet the other's threads still winding down; few rounds leave the median to that.
+# Decode rounds per length, each side first in half of them: a round is tens of ms, so one
+# side's turn can meet the other's threads still winding down; few rounds leave the median
+# to that.
 DECODE_ROUNDS = 8
 WORKER = Path(__file__).with_name('peer_worker.py')
 
@@ -250,9 +251,12 @@ def _peer_row(rt, peer, plan, length, log):
         peer_first.append(reply['s'])
         first_tokens.add((token, reply['token']))
     tps, peer_tps, same_tokens = [], [], True
-    for _ in range(max(DECODE_ROUNDS, plan.repeats)):
+    for i in range(max(DECODE_ROUNDS, plan.repeats)):
+        if i % 2:  # each side goes first in half the rounds
+            reply = peer('decode', name=name, steps=plan.decode_steps)
         ours, ids = _runtime_decode(rt, name, plan.decode_steps)
-        reply = peer('decode', name=name, steps=plan.decode_steps)
+        if not i % 2:
+            reply = peer('decode', name=name, steps=plan.decode_steps)
         tps.append(ours)
         peer_tps.append(reply['tokens_per_s'])
         same_tokens = same_tokens and ids == reply['tokens']
