@@ -46,6 +46,9 @@ from std_msgs.msg import Empty, Float32MultiArray, String
 from std_srvs.srv import Trigger
 
 FINAL_CHUNK_GRACE_S = 0.05
+# How long a camera's publisher, made at its first image, waits for a subscriber before
+# that image goes out (a message sent before the node has matched the publisher is lost).
+IMAGE_MATCH_S = 2.0
 TRANSITIONS = ('configure', 'cleanup', 'activate', 'deactivate', 'shutdown')
 _counter = itertools.count()
 
@@ -463,11 +466,16 @@ class FlashRTClient:
         Publish an 8-bit image (bytes, rows packed) on ~/image/<camera> (or `topic`).
 
         A camera policy matches it with the joint state of the same stamp (sync_slop); give
-        both the same `stamp` (builtin_interfaces/Time; default now).
+        both the same `stamp` (builtin_interfaces/Time; default now). The first image of a
+        camera waits up to IMAGE_MATCH_S for the node to subscribe to it.
         """
         topic = topic or f'{self.base}/image/{camera}'
         if topic not in self._image_pubs:
-            self._image_pubs[topic] = self.node.create_publisher(Image, topic, IMAGE_QOS)
+            pub = self.node.create_publisher(Image, topic, IMAGE_QOS)
+            deadline = time.monotonic() + IMAGE_MATCH_S
+            while pub.get_subscription_count() == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self._image_pubs[topic] = pub
         msg = Image(height=int(height), width=int(width), encoding=encoding,
                     step=len(pixels) // max(int(height), 1), data=bytes(pixels))
         msg.header.stamp = stamp or self.node.get_clock().now().to_msg()

@@ -24,6 +24,7 @@ from ..node_process import NodeProcess
 AUDIO_S = 300.0  # the long chunk: five minutes
 AUDIO_AT_S = 1.5  # the interrupt follows the chunk's publication by this long
 STEP_KEYS = {'policy': 'control_step_ms', 'speech': 'frame_step_ms'}
+DIAGNOSTICS_WAIT_S = 5.0  # for one /diagnostics message with the step time (a few periods)
 MODES = {
     'policy': {'model': 'builtin:act-arm', 'mode': 'policy', 'joint_names': ['shoulder', 'elbow']},
     'speech': {'model': 'builtin:tiny-stt', 'mode': 'speech'},
@@ -45,12 +46,21 @@ class _Node:
         self.mode, self.client = mode, client
         self.events, self.actions = _Inbox(), _Inbox()
         self.step_ms = []  # what /diagnostics says, once a period
-        client.subscribe_events(self.events.put)
-        client.subscribe_actions(self.actions.put)
+        self._subs = (client.subscribe_events(self.events.put),
+                      client.subscribe_actions(self.actions.put))
         client.node.create_subscription(DiagnosticArray, '/diagnostics', self._diagnostics,
                                         DIAGNOSTICS_QOS)
         self.samples = {}
         self.rounds = self.missed = self.abandoned = 0
+
+    def matched(self, timeout):
+        """Wait until ~/events and ~/actions reach this client (what comes before is lost)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(sub.get_publisher_count() > 0 for sub in self._subs):
+                return True
+            time.sleep(0.02)
+        return False
 
     def _diagnostics(self, msg):
         for status in msg.status:
@@ -181,11 +191,15 @@ def fig5_mode_interrupts(plan, device, log):
                                    f'{proc.log()[-2000:]}')
             client.wait_for_subscribers(10.0, {'policy': 'observation', 'speech': 'audio'}[mode])
             node = _Node(mode, client)
-            time.sleep(0.5)  # ~/events and ~/actions match
+            if not node.matched(10.0):
+                raise RuntimeError(f'~/events or ~/actions of the {mode} node did not match')
             if mode == 'policy':
                 result['policy_round_trip_ms'] = _policy_rounds(node, rounds, log) * 1e3
             else:
                 _speech_rounds(node, max(2, rounds // 4), seconds, at, log)  # 2 s each
+            deadline = time.monotonic() + DIAGNOSTICS_WAIT_S  # a short run may end first
+            while not node.step_ms and time.monotonic() < deadline:
+                time.sleep(0.05)
             result['rows'].append(node.result())
         finally:
             if client is not None:

@@ -1,10 +1,8 @@
 """A LeRobot SmolVLA checkpoint over real DDS: an instruction topic, a camera, joint states."""
 
-import time
-
 from flashrt_ros.node_process import NodeProcess
 from flashrt_ros.runtime.models.smolvla import save_smolvla_checkpoint, save_tiny_vlm
-from node_harness import EventLog, HOME, start_client, wait_active, wait_until
+from node_harness import EventLog, HOME, matched, start_client, wait_active, wait_until
 import pytest
 
 JOINTS = [f'joint_{i}' for i in range(6)]
@@ -27,8 +25,7 @@ def vla(tmp_path_factory, capsule_dir):
         wait_active(client, proc)
         assert client.wait_for_subscribers(10.0, 'observation')
         chunks, events = [], EventLog(client)
-        client.subscribe_actions(chunks.append)
-        time.sleep(0.3)
+        assert matched(client.subscribe_actions(chunks.append))
         yield client, chunks, events
     finally:
         client.close()
