@@ -53,6 +53,16 @@ TRANSITIONS = ('configure', 'cleanup', 'activate', 'deactivate', 'shutdown')
 _counter = itertools.count()
 
 
+def poll(predicate, timeout, period=0.05):
+    """Call predicate() every `period` s until it is true (True) or `timeout` s pass (False)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(period)
+    return True
+
+
 class GenerateOutcome:
     """What a ~/generate goal came to: accepted or not, final status, result, chunks."""
 
@@ -472,9 +482,7 @@ class FlashRTClient:
         topic = topic or f'{self.base}/image/{camera}'
         if topic not in self._image_pubs:
             pub = self.node.create_publisher(Image, topic, IMAGE_QOS)
-            deadline = time.monotonic() + IMAGE_MATCH_S
-            while pub.get_subscription_count() == 0 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            poll(lambda: pub.get_subscription_count() > 0, IMAGE_MATCH_S, 0.01)
             self._image_pubs[topic] = pub
         msg = Image(height=int(height), width=int(width), encoding=encoding,
                     step=len(pixels) // max(int(height), 1), data=bytes(pixels))
@@ -549,15 +557,10 @@ class FlashRTClient:
         ~/observation and ~/observation_vector) or 'audio' (a speech node's ~/audio). A
         node subscribes to its mode's inputs only once configured.
         """
-        deadline = time.monotonic() + timeout
         pubs = (self._interrupt_pub, self._reset_pub, self._prompt_pub) + {
             '': (), 'observation': (self._joint_state_pub, self._vector_pub),
             'audio': (self._audio_pub,)}[inputs]
-        while time.monotonic() < deadline:
-            if all(p.get_subscription_count() > 0 for p in pubs):
-                return True
-            time.sleep(0.05)
-        return False
+        return poll(lambda: all(p.get_subscription_count() > 0 for p in pubs), timeout)
 
     def close(self):
         """Stop spinning and destroy the client node (and its context if it made one)."""

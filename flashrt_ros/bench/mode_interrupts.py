@@ -55,12 +55,9 @@ class _Node:
 
     def matched(self, timeout):
         """Wait until ~/events and ~/actions reach this client (what comes before is lost)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if all(sub.get_publisher_count() > 0 for sub in self._subs):
-                return True
-            time.sleep(0.02)
-        return False
+        from flashrt_ros.client import poll
+
+        return poll(lambda: all(sub.get_publisher_count() > 0 for sub in self._subs), timeout)
 
     def _diagnostics(self, msg):
         for status in msg.status:
@@ -169,7 +166,7 @@ def fig5_mode_interrupts(plan, device, log):
     missing = ros_missing()
     if missing:
         return {'title': 'Interrupts in policy and speech mode', 'skipped': [missing]}
-    from flashrt_ros.client import FlashRTClient
+    from flashrt_ros.client import FlashRTClient, poll
 
     domain = _isolate(log)
     workdir = os.path.join(plan.workdir, 'ros-modes')
@@ -197,9 +194,7 @@ def fig5_mode_interrupts(plan, device, log):
                 result['policy_round_trip_ms'] = _policy_rounds(node, rounds, log) * 1e3
             else:
                 _speech_rounds(node, max(2, rounds // 4), seconds, at, log)  # 2 s each
-            deadline = time.monotonic() + DIAGNOSTICS_WAIT_S  # a short run may end first
-            while not node.step_ms and time.monotonic() < deadline:
-                time.sleep(0.05)
+            poll(lambda: node.step_ms, DIAGNOSTICS_WAIT_S)  # a short run may end before one
             result['rows'].append(node.result())
         finally:
             if client is not None:

@@ -254,8 +254,9 @@ def _peer_row(rt, peer, plan, length, log):
     for i in range(max(DECODE_ROUNDS, plan.repeats)):
         if i % 2:  # each side goes first in half the rounds
             reply = peer('decode', name=name, steps=plan.decode_steps)
-        ours, ids = _runtime_decode(rt, name, plan.decode_steps)
-        if not i % 2:
+            ours, ids = _runtime_decode(rt, name, plan.decode_steps)
+        else:
+            ours, ids = _runtime_decode(rt, name, plan.decode_steps)
             reply = peer('decode', name=name, steps=plan.decode_steps)
         tps.append(ours)
         peer_tps.append(reply['tokens_per_s'])
