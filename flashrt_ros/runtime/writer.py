@@ -13,12 +13,17 @@ tests need none either (test/runtime/test_writer.py).
   at its next step boundary (`pending`), or inside the forward at its next module call
   while `abortable()` (the hook raises StepAborted there, on that thread only), and runs
   it itself (`serve`); when no step runs, the caller runs it under the lock.
+- When a real-time thread (SCHED_FIFO/RR, the node's control thread) waits in `preempt`
+  longer than a step takes, the thread that runs the steps runs just below it (priority
+  inheritance) until the caller has the lock: otherwise a normal thread on a busy core
+  delays the step it waits for, the restore, and the release of the lock after it.
 - `commit()` pushes the live state on the rollback ring: every change ends in one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from typing import Any, Callable
@@ -28,6 +33,11 @@ import torch
 from .preemption import arm, StepAborted
 
 
+# A preemption that has waited this long for a step lends its real-time priority to it; a
+# step usually ends sooner, and lending costs the stepping thread a reschedule.
+LEND_AFTER_S = 0.0005
+
+
 class Request:
     """A restore or rollback waiting for the step lock: run it, or say how it ended."""
 
@@ -35,8 +45,15 @@ class Request:
         self.run = run  # run(from_newest) -> result, with the step lock held
         self.stages = {} if stages is None else stages  # stage -> time.time()
         self.done = False
+        self.give_back: Callable[[], None] | None = None  # ends a lent priority (preempt)
         self.result = None
         self.error: BaseException | None = None
+
+    def end_lent_priority(self) -> None:
+        """Put the stepping thread's own priority back (see lend_priority); idempotent."""
+        give_back, self.give_back = self.give_back, None
+        if give_back is not None:
+            give_back()
 
 
 class WriterSlot:
@@ -62,6 +79,8 @@ class WriterSlot:
         self._request: Request | None = None
         self._preempting = threading.Lock()  # one preemption at a time
         self._abortable_thread = 0  # the thread whose forward may be abandoned now, or 0
+        self._stepper = 0  # native id of the thread that ran the latest step (lend_priority)
+        self.lend_after_s: float | None = LEND_AFTER_S  # None: never lend (a measurement's A/B)
 
     # ---- the turn --------------------------------------------------------------------
 
@@ -84,6 +103,7 @@ class WriterSlot:
     def abortable(self):
         """Let a waiting preemption abandon the forward run inside (StepAborted)."""
         self._abortable_thread = threading.get_ident()
+        self._stepper = threading.get_native_id()
         try:
             yield
         finally:
@@ -101,9 +121,10 @@ class WriterSlot:
         Return run(from_newest) run with the step lock held, ending a running turn first.
 
         run must check first that the runtime is still open (close may run while this
-        waits). stages, when given, gets time.time() at 'armed' (the request
-        visible to the step), 'step_left' (the state is this request's) and 'copied'
-        (run returned).
+        waits). A caller under a real-time policy that waits past LEND_AFTER_S lends it to
+        the thread that runs the steps until it holds the lock again (lend_priority).
+        stages, when given, gets time.time() at 'armed' (the request visible to the step),
+        'step_left' (the state is this request's) and 'copied' (run returned).
         """
         with self._preempting:
             request = Request(run, stages)
@@ -114,7 +135,8 @@ class WriterSlot:
             try:
                 self._request = request
                 request.stages['armed'] = time.time()
-                with self.lock:
+                self._take_lock(request)
+                try:
                     self._request = None
                     if not request.done:  # no step was running: a boundary, or idle
                         request.stages['step_left'] = time.time()
@@ -122,14 +144,29 @@ class WriterSlot:
                         result = run(turn is not None and self._end_turn(turn, False))
                         request.stages['copied'] = time.time()
                         return result
+                finally:
+                    self.lock.release()
             finally:
                 self._request = None
+                request.end_lent_priority()
                 if hook is not None:
                     hook.remove()
                     arm(-1)
         if request.error is not None:
             raise request.error
         return request.result
+
+    def _take_lock(self, request: Request) -> None:
+        """Take the step lock; after lend_after_s lend the caller's priority to the steps."""
+        after = self.lend_after_s
+        if after is None:
+            self.lock.acquire()
+            return
+        if self.lock.acquire(timeout=after):
+            return
+        if self.turn is not None or self._abortable_thread:
+            request.give_back = lend_priority(self._stepper)
+        self.lock.acquire()
 
     def _check(self, module, args) -> None:
         """Abandon this thread's step (the forward pre-hook of an armed preemption)."""
@@ -157,3 +194,34 @@ class WriterSlot:
                 self._recover_torn()
         request.done = True
         self._request = None  # served: a turn started before the caller wakes must not see it
+
+
+def lend_priority(tid: int) -> Callable[[], None] | None:
+    """
+    Run thread `tid` one priority below the calling real-time thread; return what undoes it.
+
+    One below: once `tid` releases the lock the caller waits for, the caller runs at once,
+    on a single core too. None when there is nothing to lend (the caller runs under a normal
+    policy, `tid` is 0 or already as high) or the kernel refuses (no CAP_SYS_NICE or rtprio
+    limit, the thread has ended). Undoing puts back the policy and priority read here; the
+    kernel keeps a thread's nice value across policies.
+    """
+    if not tid or not hasattr(os, 'sched_setscheduler'):
+        return None
+    try:
+        policy = os.sched_getscheduler(0)
+        if policy not in (os.SCHED_FIFO, os.SCHED_RR):
+            return None
+        lent = os.sched_param(max(1, os.sched_getparam(0).sched_priority - 1))
+        old_policy, old_param = os.sched_getscheduler(tid), os.sched_getparam(tid)
+        if old_policy in (os.SCHED_FIFO, os.SCHED_RR) and (
+                old_param.sched_priority >= lent.sched_priority):
+            return None
+        os.sched_setscheduler(tid, policy, lent)
+    except OSError:
+        return None
+
+    def give_back():
+        with contextlib.suppress(OSError):  # the thread may have ended meanwhile
+            os.sched_setscheduler(tid, old_policy, old_param)
+    return give_back

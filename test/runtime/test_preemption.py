@@ -131,13 +131,19 @@ def test_a_served_preemption_does_not_hit_the_next_turn(make_runtime):
     class GatedLock:
         """The step lock, but the preempting thread may take it only once the gate opens."""
 
-        def __enter__(self):
+        def acquire(self, blocking=True, timeout=-1):
             if threading.current_thread() is probe.thread:
                 gate.wait(30)
-            return step_lock.__enter__()
+            return step_lock.acquire(blocking, timeout)
+
+        def release(self):
+            step_lock.release()
+
+        def __enter__(self):
+            return self.acquire()
 
         def __exit__(self, *exc):
-            return step_lock.__exit__(*exc)
+            self.release()
 
     rt.writer.lock = GatedLock()
     try:

@@ -1,10 +1,11 @@
 """The writer slot on its own: claims, commits and preemption, with no model at all."""
 
+import os
 import threading
 import time
 
 from flashrt_ros.runtime.preemption import ARMED, StepAborted
-from flashrt_ros.runtime.writer import WriterSlot
+from flashrt_ros.runtime.writer import lend_priority, WriterSlot
 import pytest
 import torch
 
@@ -209,3 +210,89 @@ def test_a_call_holding_no_turn_serves_the_preemption_that_abandons_it():
     thread.join(10.0)
     assert outcome == ['abandoned'] and ran_on == [thread]
     assert result is True and log == []  # torn: from the newest boundary; no turn ended
+
+
+def _in_thread(fn):
+    """Return fn()'s result, run on a thread of its own (scheduling changes stay there)."""
+    out = []
+    thread = threading.Thread(target=lambda: out.append(fn()))
+    thread.start()
+    thread.join(10.0)
+    return out[0]
+
+
+def _real_time(fn, priority=10):
+    """Run fn() under SCHED_FIFO `priority` on a thread of its own; skip where not allowed."""
+    def run():
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+        except (OSError, AttributeError) as exc:
+            return exc
+        return fn()
+    out = _in_thread(run)
+    if isinstance(out, (OSError, AttributeError)):
+        pytest.skip(f'SCHED_FIFO not allowed here ({out})')
+    return out
+
+
+class Slow(torch.nn.Module):
+    """A module call that goes on 50 ms after a preemption arrives (it lends after 0.5 ms)."""
+
+    def __init__(self, slot):
+        super().__init__()
+        self.slot, self.entered = slot, threading.Event()
+
+    def forward(self, x):
+        self.entered.set()
+        deadline = time.monotonic() + 10.0
+        while not self.slot.pending and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(0.05)
+        return x
+
+
+@pytest.mark.parametrize('lend', [True, False])
+def test_a_real_time_caller_lends_its_priority_to_a_slow_step(lend):
+    log = []
+    slot = _slot(log)
+    if not lend:
+        slot.lend_after_s = None
+    turn = Turn(slot, Slow(slot))
+    tid, leave = [], threading.Event()
+    loop = turn._loop
+
+    def stepping():  # a normal thread with a nice value of its own, kept after the turn
+        tid.append(threading.get_native_id())
+        os.setpriority(os.PRIO_PROCESS, 0, 3)
+        loop()
+        leave.wait(10.0)
+    turn.thread = threading.Thread(target=stepping)
+    slot.claim(turn)
+    turn.thread.start()
+    assert turn.module.entered.wait(10.0)  # inside its step
+
+    def policy_of_the_stepper(from_newest):
+        return os.sched_getscheduler(tid[0]), os.sched_getparam(tid[0]).sched_priority
+
+    try:
+        during = _real_time(lambda: slot.preempt(policy_of_the_stepper), priority=10)
+        after = os.sched_getscheduler(tid[0]), os.getpriority(os.PRIO_PROCESS, tid[0])
+    finally:
+        leave.set()
+        turn.thread.join(10.0)
+    # Served, by either thread, just below the caller (or at its own policy: lend off).
+    assert during == ((os.SCHED_FIFO, 9) if lend else (os.SCHED_OTHER, 0))
+    assert after == (os.SCHED_OTHER, 3)  # and back to its own policy and nice value
+    assert turn.ended is not None
+
+
+def test_lend_priority_lends_only_a_real_time_policy_to_a_lower_thread():
+    me = _in_thread(threading.get_native_id)  # a thread that has ended
+    assert lend_priority(0) is None
+    assert _in_thread(lambda: lend_priority(threading.get_native_id())) is None  # normal
+    assert _real_time(lambda: lend_priority(me)) is None  # no such thread any more
+
+    def lend_to_a_higher_one():
+        higher = threading.get_native_id()
+        return _real_time(lambda: lend_priority(higher), priority=6)
+    assert _real_time(lend_to_a_higher_one, priority=5) is None  # 5 is above the 5 lent
