@@ -4,13 +4,14 @@ Measure what lending the control thread's priority to a preempted step does (wri
     python -m flashrt_ros.bench.priority_lending [--busy-cores 2] [--interrupts 600]
 
 As the node runs with the robot settings, in one process and without ROS: a generation
-thread at nice -10 decodes the default model on the compiled CPU step (one compute
-thread), and a SCHED_FIFO 50 thread restores a device capsule with preempt=True a few
-milliseconds into each turn. Interrupts alternate between lending on (the default) and off
-(WriterSlot.lend_after_s None), so both see the same machine; --busy-cores unrelated
-processes at normal priority keep cores busy meanwhile. Prints median, p90, p99 and max of
-each stage (ms after the preemption is armed) and the off / on ratios. Needs the right to
-use SCHED_FIFO (root, CAP_SYS_NICE or an rtprio limit: docs/setup.md).
+thread at nice -10 decodes the default model on the compiled CPU step (one compute thread,
+the node's switch interval while decoding), and a SCHED_FIFO 50 thread restores a device
+capsule with preempt=True a few milliseconds into each turn. Interrupts alternate between
+lending on (the default) and off (WriterSlot.lend_after_s None), so both see the same
+machine; --busy-cores unrelated processes at normal priority keep cores busy meanwhile.
+Prints median, p90, p99 and max of each stage (ms after the preemption is armed) and the
+off / on ratios. Needs the right to use SCHED_FIFO (root, CAP_SYS_NICE or an rtprio limit:
+docs/setup.md).
 """
 
 import argparse
@@ -25,6 +26,7 @@ import time
 
 from flashrt_ros.runtime import Runtime, RuntimeConfig
 from flashrt_ros.runtime.writer import LEND_AFTER_S
+from flashrt_ros.session.turns import SWITCH_INTERVAL_DECODING_S
 import numpy as np
 import torch
 
@@ -75,6 +77,7 @@ def main():
                         '%(default)s)')
     args = p.parse_args()
     torch.set_num_threads(1)
+    sys.setswitchinterval(SWITCH_INTERVAL_DECODING_S)  # as the node's while a turn decodes
     rt = Runtime(RuntimeConfig(model=args.model, capsule_dir=tempfile.mkdtemp()))
     rt.warmup()
     rt.snapshot('home', 'device')
