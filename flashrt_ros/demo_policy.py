@@ -42,8 +42,9 @@ class Loop:
     def __init__(self, client, camera, target):
         self.client, self.camera, self.target = client, camera, target
         self.chunks = []
-        client.subscribe_actions(self.chunks.append)
-        time.sleep(0.3)
+        from flashrt_ros.client import poll  # rclpy: imported once the node is up
+        subscription = client.subscribe_actions(self.chunks.append)
+        poll(lambda: subscription.get_publisher_count() > 0, 5.0)  # or a chunk is lost
 
     def observe(self, q, dq, timeout=10.0):
         """Publish one JointState (and picture); return the ActionChunk of its control step."""

@@ -42,11 +42,13 @@ class Stream:
         self.done_at = {}  # frame index -> when the chunk completing it went out
         self.chunks = []  # (arrival time, TokenChunk)
         self.ends = []  # EndOfUtterance messages
-        client.subscribe_transcript(lambda c: self.chunks.append((time.perf_counter(), c)))
-        client.subscribe_end_of_utterance(self.ends.append)
+        from flashrt_ros.client import poll  # rclpy: imported once the node is up
+        subs = (client.subscribe_transcript(
+            lambda c: self.chunks.append((time.perf_counter(), c))),
+            client.subscribe_end_of_utterance(self.ends.append))
         self.frames = 0  # frames of the utterance completed by what was sent
         self.base = 0  # frames of the utterance when the numbering last started
-        time.sleep(0.3)
+        poll(lambda: all(s.get_publisher_count() > 0 for s in subs), 5.0)  # or text is lost
 
     def restart(self, frames):
         """Restart the sample numbering at 0 (as the node does after an interrupt)."""
