@@ -1,5 +1,6 @@
 """Spin an rclpy executor until shutdown, logging a callback that raises instead of dying."""
 
+from rclpy.exceptions import InvalidHandle
 from rclpy.executors import ExternalShutdownException
 
 
@@ -22,3 +23,19 @@ def spin_until_shutdown(executor, logger, stopping) -> None:
             if stopping():
                 return
             logger.error(f'a callback failed and was skipped: {exc!r}')
+
+
+def forget_teardown_failures(executor, logger) -> None:
+    """
+    Mark the failures of callbacks cut by executor.shutdown() as seen (call after the join).
+
+    rclpy (9.x) destroys the executor's guard condition without waiting for the callbacks in
+    flight; one of them then fails on it (InvalidHandle), and its failure, retrieved by no
+    one once the spin has ended, is printed when collected ("The following exception was
+    never retrieved"). Any other failure found there is logged.
+    """
+    for task in list(getattr(executor, '_futures', ())):  # MultiThreadedExecutor's handlers
+        if task.done() and not task.cancelled():
+            exc = task.exception()  # seen from now on
+            if exc is not None and not isinstance(exc, InvalidHandle):
+                logger.error(f'a callback failed while shutting down: {exc!r}')
