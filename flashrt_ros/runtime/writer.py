@@ -14,7 +14,7 @@ tests need none either (test/runtime/test_writer.py).
   while `abortable()` (the hook raises StepAborted there, on that thread only), and runs
   it itself (`serve`); when no step runs, the caller runs it under the lock.
 - When a real-time thread (SCHED_FIFO/RR, the node's control thread) waits in `preempt`
-  longer than a step takes, the thread that runs the steps runs just below it (priority
+  longer than a step takes, the thread holding the step lock runs just below it (priority
   inheritance) until the caller has the lock: otherwise a normal thread on a busy core
   delays the step it waits for, the restore, and the release of the lock after it.
 - `commit()` pushes the live state on the rollback ring: every change ends in one.
@@ -23,6 +23,7 @@ tests need none either (test/runtime/test_writer.py).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -33,9 +34,43 @@ import torch
 from .preemption import arm, StepAborted
 
 
+_log = logging.getLogger(__name__)
+
 # A preemption that has waited this long for a step lends its real-time priority to it; a
 # step usually ends sooner, and lending costs the stepping thread a reschedule.
 LEND_AFTER_S = 0.0005
+
+
+class StepLock:
+    """A reentrant lock that knows the native id of the thread holding it (lend_priority)."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self._depth = 0
+        self.owner = 0  # native thread id of the holder, 0 when free
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if not self._lock.acquire(blocking, timeout):
+            return False
+        self._depth += 1
+        if self._depth == 1:
+            self.owner = threading.get_native_id()
+        return True
+
+    def release(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self.owner = 0
+        self._lock.release()
+
+    def _is_owned(self) -> bool:
+        return self._lock._is_owned()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 class Request:
@@ -50,7 +85,7 @@ class Request:
         self.error: BaseException | None = None
 
     def end_lent_priority(self) -> None:
-        """Put the stepping thread's own priority back (see lend_priority); idempotent."""
+        """Put the lock holder's own priority back (see lend_priority); idempotent."""
         give_back, self.give_back = self.give_back, None
         if give_back is not None:
             give_back()
@@ -69,7 +104,7 @@ class WriterSlot:
         was to replace it fails. abortable_steps False: steps are waited for, never
         abandoned (a policy's act()).
         """
-        self.lock = threading.RLock()
+        self.lock = StepLock()
         self.turn = None
         self.stop = threading.Event()
         self._commit = commit
@@ -79,7 +114,6 @@ class WriterSlot:
         self._request: Request | None = None
         self._preempting = threading.Lock()  # one preemption at a time
         self._abortable_thread = 0  # the thread whose forward may be abandoned now, or 0
-        self._stepper = 0  # native id of the thread that ran the latest step (lend_priority)
         self.lend_after_s: float | None = LEND_AFTER_S  # None: never lend (a measurement's A/B)
 
     # ---- the turn --------------------------------------------------------------------
@@ -103,7 +137,6 @@ class WriterSlot:
     def abortable(self):
         """Let a waiting preemption abandon the forward run inside (StepAborted)."""
         self._abortable_thread = threading.get_ident()
-        self._stepper = threading.get_native_id()
         try:
             yield
         finally:
@@ -121,8 +154,8 @@ class WriterSlot:
         Return run(from_newest) run with the step lock held, ending a running turn first.
 
         run must check first that the runtime is still open (close may run while this
-        waits). A caller under a real-time policy that waits past LEND_AFTER_S lends it to
-        the thread that runs the steps until it holds the lock again (lend_priority).
+        waits). A caller under a real-time policy that waits past lend_after_s lends it to
+        the lock's holder until it holds the lock itself (lend_priority).
         stages, when given, gets time.time() at 'armed' (the request visible to the step),
         'step_left' (the state is this request's) and 'copied' (run returned).
         """
@@ -137,6 +170,7 @@ class WriterSlot:
                 request.stages['armed'] = time.time()
                 self._take_lock(request)
                 try:
+                    request.end_lent_priority()  # the lock is the caller's: nothing to wait for
                     self._request = None
                     if not request.done:  # no step was running: a boundary, or idle
                         request.stages['step_left'] = time.time()
@@ -157,15 +191,14 @@ class WriterSlot:
         return request.result
 
     def _take_lock(self, request: Request) -> None:
-        """Take the step lock; after lend_after_s lend the caller's priority to the steps."""
+        """Take the step lock; after lend_after_s lend the caller's priority to its holder."""
         after = self.lend_after_s
         if after is None:
             self.lock.acquire()
             return
         if self.lock.acquire(timeout=after):
             return
-        if self.turn is not None or self._abortable_thread:
-            request.give_back = lend_priority(self._stepper)
+        request.give_back = lend_priority(self.lock.owner)  # whoever holds it: a step or not
         self.lock.acquire()
 
     def _check(self, module, args) -> None:
@@ -201,27 +234,38 @@ def lend_priority(tid: int) -> Callable[[], None] | None:
     Run thread `tid` one priority below the calling real-time thread; return what undoes it.
 
     One below: once `tid` releases the lock the caller waits for, the caller runs at once,
-    on a single core too. None when there is nothing to lend (the caller runs under a normal
-    policy, `tid` is 0 or already as high) or the kernel refuses (no CAP_SYS_NICE or rtprio
-    limit, the thread has ended). Undoing puts back the policy and priority read here; the
-    kernel keeps a thread's nice value across policies.
+    on a single core too. Threads `tid` starts meanwhile do not inherit the lent policy
+    (SCHED_RESET_ON_FORK). None when there is nothing to lend (the caller runs under a
+    normal policy or at priority 1, `tid` is 0, the caller itself or already as high) or the
+    kernel refuses (no CAP_SYS_NICE or rtprio limit, the thread has ended). Undoing puts
+    back the policy and priority read here; the kernel keeps a thread's nice value across
+    policies.
     """
-    if not tid or not hasattr(os, 'sched_setscheduler'):
+    if not tid or tid == threading.get_native_id() or not hasattr(os, 'sched_setscheduler'):
         return None
+    real_time = (os.SCHED_FIFO, os.SCHED_RR)
     try:
-        policy = os.sched_getscheduler(0)
-        if policy not in (os.SCHED_FIFO, os.SCHED_RR):
+        policy = os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK
+        priority = os.sched_getparam(0).sched_priority
+        if policy not in real_time or priority < 2:
             return None
-        lent = os.sched_param(max(1, os.sched_getparam(0).sched_priority - 1))
         old_policy, old_param = os.sched_getscheduler(tid), os.sched_getparam(tid)
-        if old_policy in (os.SCHED_FIFO, os.SCHED_RR) and (
-                old_param.sched_priority >= lent.sched_priority):
+        if old_policy & ~os.SCHED_RESET_ON_FORK in real_time and (
+                old_param.sched_priority >= priority - 1):
             return None
-        os.sched_setscheduler(tid, policy, lent)
+        os.sched_setscheduler(tid, policy | os.SCHED_RESET_ON_FORK,
+                              os.sched_param(priority - 1))
     except OSError:
         return None
 
     def give_back():
-        with contextlib.suppress(OSError):  # the thread may have ended meanwhile
-            os.sched_setscheduler(tid, old_policy, old_param)
+        for flags in (0, os.SCHED_RESET_ON_FORK):  # only CAP_SYS_NICE may clear the flag
+            try:
+                os.sched_setscheduler(tid, old_policy | flags, old_param)
+                return
+            except ProcessLookupError:  # the thread has ended
+                return
+            except OSError as exc:
+                error = exc
+        _log.error(f'thread {tid} keeps the real-time priority lent to it: {error!r}')
     return give_back

@@ -139,6 +139,10 @@ def test_a_served_preemption_does_not_hit_the_next_turn(make_runtime):
         def release(self):
             step_lock.release()
 
+        @property
+        def owner(self):
+            return step_lock.owner
+
         def __enter__(self):
             return self.acquire()
 

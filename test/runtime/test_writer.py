@@ -215,10 +215,19 @@ def test_a_call_holding_no_turn_serves_the_preemption_that_abandons_it():
 def _in_thread(fn):
     """Return fn()'s result, run on a thread of its own (scheduling changes stay there)."""
     out = []
-    thread = threading.Thread(target=lambda: out.append(fn()))
+
+    def run():
+        try:
+            out.append((fn(), None))
+        except BaseException as exc:  # noqa: B902 - a skip too: raised again below
+            out.append((None, exc))
+    thread = threading.Thread(target=run)
     thread.start()
     thread.join(10.0)
-    return out[0]
+    result, error = out[0]
+    if error is not None:
+        raise error
+    return result
 
 
 def _real_time(fn, priority=10):
@@ -280,19 +289,106 @@ def test_a_real_time_caller_lends_its_priority_to_a_slow_step(lend):
     finally:
         leave.set()
         turn.thread.join(10.0)
-    # Served, by either thread, just below the caller (or at its own policy: lend off).
-    assert during == ((os.SCHED_FIFO, 9) if lend else (os.SCHED_OTHER, 0))
+    # Served by the turn's thread (at its next module call), just below the caller; threads
+    # it starts meanwhile do not inherit that (or at its own policy: lend off).
+    lent = (os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, 9)
+    assert during == (lent if lend else (os.SCHED_OTHER, 0))
     assert after == (os.SCHED_OTHER, 3)  # and back to its own policy and nice value
     assert turn.ended is not None
 
 
 def test_lend_priority_lends_only_a_real_time_policy_to_a_lower_thread():
-    me = _in_thread(threading.get_native_id)  # a thread that has ended
+    ended = _in_thread(threading.get_native_id)  # a thread that has ended
     assert lend_priority(0) is None
     assert _in_thread(lambda: lend_priority(threading.get_native_id())) is None  # normal
-    assert _real_time(lambda: lend_priority(me)) is None  # no such thread any more
+    assert _real_time(lambda: lend_priority(ended)) is None  # no such thread any more
+    assert _real_time(lambda: lend_priority(threading.get_native_id())) is None  # itself
 
-    def lend_to_a_higher_one():
+    def lend_to_one_as_high():
         higher = threading.get_native_id()
-        return _real_time(lambda: lend_priority(higher), priority=6)
-    assert _real_time(lend_to_a_higher_one, priority=5) is None  # 5 is above the 5 lent
+        return _real_time(lambda: lend_priority(higher), priority=6)  # would lend 5
+    assert _real_time(lend_to_one_as_high, priority=5) is None
+
+    def lend_at_priority(priority):  # to a normal thread waiting on an event
+        waiting, leave, tid = threading.Event(), threading.Event(), []
+
+        def wait():
+            tid.append(threading.get_native_id())
+            waiting.set()
+            leave.wait(10.0)
+        thread = threading.Thread(target=wait)
+        thread.start()
+        waiting.wait(10.0)
+        try:
+            give_back = _real_time(lambda: lend_priority(tid[0]), priority)
+            lent = os.sched_getscheduler(tid[0]), os.sched_getparam(tid[0]).sched_priority
+            if give_back is not None:
+                give_back()
+            return give_back is not None, lent, os.sched_getscheduler(tid[0])
+        finally:
+            leave.set()
+            thread.join(10.0)
+    assert lend_at_priority(1) == (False, (os.SCHED_OTHER, 0), os.SCHED_OTHER)  # none below
+    lent_policy = os.SCHED_FIFO | os.SCHED_RESET_ON_FORK  # its new threads do not inherit it
+    assert lend_at_priority(2) == (True, (lent_policy, 1), os.SCHED_OTHER)
+
+
+def test_the_holder_of_the_lock_is_lent_the_priority_not_the_last_stepper():
+    log = []
+    slot = _slot(log)
+    held, leave, seen = threading.Event(), threading.Event(), []
+
+    def snapshot():  # a service thread holding the lock outside any step
+        with slot.lock:
+            seen.append(threading.get_native_id())
+            held.set()
+            deadline = time.monotonic() + 10.0
+            while not slot.pending and time.monotonic() < deadline:
+                time.sleep(0.001)
+            time.sleep(0.05)  # the preemption lends after 0.5 ms
+            seen.append(os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK)
+            child = _in_thread(lambda: os.sched_getscheduler(0))  # started while lent
+            seen.append(child)
+        leave.wait(10.0)
+        seen.append(os.sched_getscheduler(0))
+    holder = threading.Thread(target=snapshot)
+    holder.start()
+    assert held.wait(10.0)
+    try:
+        assert _real_time(lambda: slot.preempt(lambda from_newest: 'ran')) == 'ran'
+    finally:
+        leave.set()
+        holder.join(10.0)
+    assert seen[1:] == [os.SCHED_FIFO, os.SCHED_OTHER, os.SCHED_OTHER]
+    assert slot.lock.owner == 0
+
+
+def test_a_failing_preemption_gives_the_lent_priority_back():
+    log = []
+    slot = _slot(log)
+    turn = Turn(slot, Slow(slot))
+    tid, leave = [], threading.Event()
+    loop = turn._loop
+
+    def stepping():
+        tid.append(threading.get_native_id())
+        loop()
+        leave.wait(10.0)
+    turn.thread = threading.Thread(target=stepping)
+    slot.claim(turn)
+    turn.thread.start()
+    assert turn.module.entered.wait(10.0)
+
+    def fail(from_newest):
+        assert os.sched_getscheduler(tid[0]) & ~os.SCHED_RESET_ON_FORK == os.SCHED_FIFO
+        raise ValueError('capsule went away')
+
+    def preempt():
+        with pytest.raises(ValueError, match='went away'):
+            slot.preempt(fail)
+        return os.sched_getscheduler(tid[0])
+    try:
+        assert _real_time(preempt) == os.SCHED_OTHER
+    finally:
+        leave.set()
+        turn.thread.join(10.0)
