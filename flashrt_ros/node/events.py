@@ -7,6 +7,9 @@ import time
 
 from flashrt_ros.msg import CapsuleEvent
 import numpy as np
+# np.median imports numpy.ma on its first call: compiling it on the first diagnostics tick
+# after an interrupt held the interpreter lock for milliseconds (bench/gil_stalls.py).
+import numpy.ma  # noqa: F401,I100
 
 
 class EventPublisher:
