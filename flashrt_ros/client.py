@@ -33,7 +33,7 @@ from flashrt_ros.msg import ActionChunk, AudioChunk, CapsuleEvent, EndOfUtteranc
 from flashrt_ros.msg import TokenChunk
 from flashrt_ros.qos import AUDIO_QOS, COMMAND_QOS, INTERRUPT_QOS  # noqa: F401 (re-exported)
 from flashrt_ros.qos import FEEDBACK_QOS, IMAGE_QOS, INSTRUCTION_QOS, STREAM_QOS
-from flashrt_ros.spin import forget_teardown_failures, spin_until_shutdown
+from flashrt_ros.spin import spin_until_shutdown, stop_spinning
 from flashrt_ros.srv import DeleteCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
 from lifecycle_msgs.srv import ChangeState, GetState
 import rclpy
@@ -562,12 +562,18 @@ class FlashRTClient:
             'audio': (self._audio_pub,)}[inputs]
         return poll(lambda: all(p.get_subscription_count() > 0 for p in pubs), timeout)
 
+    def wait_for_publishers(self, *subscriptions, timeout=10.0):
+        """
+        Wait until each of `subscriptions` (e.g. from subscribe_events) has a publisher.
+
+        What a node publishes before its publisher matches a subscription is lost to it.
+        """
+        return poll(lambda: all(s.get_publisher_count() > 0 for s in subscriptions), timeout)
+
     def close(self):
         """Stop spinning and destroy the client node (and its context if it made one)."""
         self._closing = True
-        self._executor.shutdown(timeout_sec=2.0)
-        self._spinner.join(timeout=2.0)
-        forget_teardown_failures(self._executor, self.node.get_logger())
+        stop_spinning(self._executor, self._spinner, self.node.get_logger())
         self._feedback.put(None)
         if threading.current_thread() is not self._feedback_thread:  # not from a callback
             self._feedback_thread.join(timeout=2.0)

@@ -241,9 +241,7 @@ def run_demo(argv, *, doc, title, default_model, params, random_note, session):
     try:
         node, client = _start(workdir, params, report, 'started')
         events = []
-        from flashrt_ros.client import poll  # rclpy: imported once the node is up
-        subscription = client.subscribe_events(events.append)
-        poll(lambda: subscription.get_publisher_count() > 0, 5.0)  # or early events are lost
+        client.wait_for_publishers(client.subscribe_events(events.append), timeout=5.0)
         node, client = session(node, client, workdir, params, report, events)
     except Exception as exc:
         report.failures.append(repr(exc))

@@ -42,9 +42,7 @@ class Loop:
     def __init__(self, client, camera, target):
         self.client, self.camera, self.target = client, camera, target
         self.chunks = []
-        from flashrt_ros.client import poll  # rclpy: imported once the node is up
-        subscription = client.subscribe_actions(self.chunks.append)
-        poll(lambda: subscription.get_publisher_count() > 0, 5.0)  # or a chunk is lost
+        client.wait_for_publishers(client.subscribe_actions(self.chunks.append), timeout=5.0)
 
     def observe(self, q, dq, timeout=10.0):
         """Publish one JointState (and picture); return the ActionChunk of its control step."""

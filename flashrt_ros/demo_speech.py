@@ -42,13 +42,12 @@ class Stream:
         self.done_at = {}  # frame index -> when the chunk completing it went out
         self.chunks = []  # (arrival time, TokenChunk)
         self.ends = []  # EndOfUtterance messages
-        from flashrt_ros.client import poll  # rclpy: imported once the node is up
         subs = (client.subscribe_transcript(
             lambda c: self.chunks.append((time.perf_counter(), c))),
             client.subscribe_end_of_utterance(self.ends.append))
         self.frames = 0  # frames of the utterance completed by what was sent
         self.base = 0  # frames of the utterance when the numbering last started
-        poll(lambda: all(s.get_publisher_count() > 0 for s in subs), 5.0)  # or text is lost
+        client.wait_for_publishers(*subs, timeout=5.0)
 
     def restart(self, frames):
         """Restart the sample numbering at 0 (as the node does after an interrupt)."""

@@ -25,15 +25,17 @@ def spin_until_shutdown(executor, logger, stopping) -> None:
             logger.error(f'a callback failed and was skipped: {exc!r}')
 
 
-def forget_teardown_failures(executor, logger) -> None:
+def stop_spinning(executor, spinner, logger, timeout_sec=2.0) -> None:
     """
-    Mark the failures of callbacks cut by executor.shutdown() as seen (call after the join).
+    Shut `executor` down and join the thread `spinner` that spins it.
 
     rclpy (9.x) destroys the executor's guard condition without waiting for the callbacks in
     flight; one of them then fails on it (InvalidHandle), and its failure, retrieved by no
     one once the spin has ended, is printed when collected ("The following exception was
-    never retrieved"). Any other failure found there is logged.
+    never retrieved"). Those are marked seen here; any other failure found is logged.
     """
+    executor.shutdown(timeout_sec=timeout_sec)
+    spinner.join(timeout=timeout_sec)
     for task in list(getattr(executor, '_futures', ())):  # MultiThreadedExecutor's handlers
         if task.done() and not task.cancelled():
             exc = task.exception()  # seen from now on

@@ -10,7 +10,6 @@ import dataclasses
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -20,7 +19,8 @@ import warnings
 from flashrt_ros.runtime.config import DTYPES
 import torch
 
-from .common import cpu_sample, cpu_usage, device_info, Log, machine_info, model_info
+from .common import busy_processes, cpu_sample, cpu_usage, device_info, Log, machine_info
+from .common import model_info
 from .figures import (
     fig1_snapshot_restore,
     fig2_ttft,
@@ -181,8 +181,7 @@ def main(argv=None):
                'plan': {k: v for k, v in vars(plan).items() if k != 'workdir'},
                'machine': machine_info(), 'device': device_info(args.device)}
     rt = None
-    busy = [subprocess.Popen([sys.executable, '-c', 'while True: pass'])
-            for _ in range(args.busy_cores)]
+    busy = busy_processes(args.busy_cores)
     results['busy_cores'] = args.busy_cores
     try:
         if set(args.only) - ROS_FIGURES:

@@ -18,6 +18,11 @@ PAPER = {
 }
 
 
+def busy_processes(n):
+    """Start `n` unrelated processes that keep a core busy each (a Python loop, nice 0)."""
+    return [subprocess.Popen([sys.executable, '-c', 'while True: pass']) for _ in range(n)]
+
+
 def summarize(samples, scale=1.0):
     """Return median, p10, p90 (times `scale`) and n of a list of samples."""
     x = np.asarray(samples, dtype=np.float64) * scale

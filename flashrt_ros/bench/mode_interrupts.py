@@ -46,18 +46,12 @@ class _Node:
         self.mode, self.client = mode, client
         self.events, self.actions = _Inbox(), _Inbox()
         self.step_ms = []  # what /diagnostics says, once a period
-        self._subs = (client.subscribe_events(self.events.put),
-                      client.subscribe_actions(self.actions.put))
+        self.subs = (client.subscribe_events(self.events.put),
+                     client.subscribe_actions(self.actions.put))
         client.node.create_subscription(DiagnosticArray, '/diagnostics', self._diagnostics,
                                         DIAGNOSTICS_QOS)
         self.samples = {}
         self.rounds = self.missed = self.abandoned = 0
-
-    def matched(self, timeout):
-        """Wait until ~/events and ~/actions reach this client (what comes before is lost)."""
-        from flashrt_ros.client import poll
-
-        return poll(lambda: all(sub.get_publisher_count() > 0 for sub in self._subs), timeout)
 
     def _diagnostics(self, msg):
         for status in msg.status:
@@ -188,7 +182,7 @@ def fig5_mode_interrupts(plan, device, log):
                                    f'{proc.log()[-2000:]}')
             client.wait_for_subscribers(10.0, {'policy': 'observation', 'speech': 'audio'}[mode])
             node = _Node(mode, client)
-            if not node.matched(10.0):
+            if not client.wait_for_publishers(*node.subs):
                 raise RuntimeError(f'~/events or ~/actions of the {mode} node did not match')
             if mode == 'policy':
                 result['policy_round_trip_ms'] = _policy_rounds(node, rounds, log) * 1e3

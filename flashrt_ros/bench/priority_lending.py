@@ -18,7 +18,6 @@ import argparse
 import os
 import queue
 import random
-import subprocess
 import sys
 import tempfile
 import threading
@@ -29,6 +28,8 @@ from flashrt_ros.runtime.writer import LEND_AFTER_S
 from flashrt_ros.session.turns import SWITCH_INTERVAL_DECODING_S
 import numpy as np
 import torch
+
+from .common import busy_processes
 
 PROMPT = 'Tell me about the arm and the table please.'
 STAGES = ('step_left', 'copied', 'returned')
@@ -84,8 +85,7 @@ def main():
     turns = queue.Queue()
     worker = threading.Thread(target=_generations, args=(rt, turns), daemon=True)
     worker.start()
-    busy = [subprocess.Popen([sys.executable, '-c', 'while True: pass'])
-            for _ in range(args.busy_cores)]
+    busy = busy_processes(args.busy_cores)
     samples, refused = {True: [], False: []}, []
     try:
         control = threading.Thread(target=_interrupts, args=(

@@ -5,7 +5,7 @@ import sys
 import threading
 
 from flashrt_ros.session.turns import SWITCH_INTERVAL_IDLE_S
-from flashrt_ros.spin import forget_teardown_failures, spin_until_shutdown
+from flashrt_ros.spin import spin_until_shutdown, stop_spinning
 import rclpy
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.lifecycle import TransitionCallbackReturn
@@ -51,9 +51,7 @@ def main(args=None):
         except Exception as exc:  # e.g. a transition was still in progress
             node.get_logger().warning(f'shutdown transition: {exc}')
             node.on_shutdown(None)
-        executor.shutdown(timeout_sec=2.0)
-        spinner.join(timeout=2.0)
-        forget_teardown_failures(executor, node.get_logger())
+        stop_spinning(executor, spinner, node.get_logger())
         return 0
     except Exception as exc:
         print(f'flashrt_node: {exc!r}', file=sys.stderr)

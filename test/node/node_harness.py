@@ -48,11 +48,6 @@ def wait_active(client, proc, timeout=120.0):
                     + proc.log()[-4000:])
 
 
-def matched(subscription, timeout=10.0):
-    """Wait until `subscription` has a publisher (messages sent before that are lost)."""
-    return wait_until(lambda: subscription.get_publisher_count() > 0, timeout)
-
-
 class EventLog:
     """Collect CapsuleEvent messages and wait for one that matches."""
 
@@ -60,7 +55,7 @@ class EventLog:
         self.events = []
         self._sub = client.subscribe_events(self.events.append)
         self._client = client
-        matched(self._sub, timeout=5.0)  # a node that is not up yet matches it later
+        client.wait_for_publishers(self._sub, timeout=5.0)  # a node not up yet matches later
 
     def wait_for(self, predicate, timeout=10.0, start=0):
         """Return the first event from index `start` on that satisfies predicate, or None."""

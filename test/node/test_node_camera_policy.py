@@ -5,7 +5,7 @@ import time
 from builtin_interfaces.msg import Time
 from flashrt_ros.node_process import NodeProcess
 from flashrt_ros.runtime.models.lerobot import save_act_checkpoint
-from node_harness import EventLog, HOME, matched, start_client, wait_active, wait_until
+from node_harness import EventLog, HOME, start_client, wait_active, wait_until
 import pytest
 
 JOINTS = [f'joint_{i}' for i in range(6)]
@@ -29,7 +29,7 @@ def act(tmp_path_factory, capsule_dir):
         assert client.wait_for_subscribers(10.0, 'observation')
         assert wait_until(lambda: client.node.count_subscribers(CAMERA_TOPIC) > 0)
         chunks, events = [], EventLog(client)
-        assert matched(client.subscribe_actions(chunks.append))
+        assert client.wait_for_publishers(client.subscribe_actions(chunks.append))
         # The client creates its camera and joint-state publishers on first use, and a
         # message sent before the node has matched one is lost: observe until a chunk comes.
         assert any(_observe(client, chunks, level=1) is not None for _ in range(5))

@@ -5,7 +5,7 @@ import time
 
 from action_msgs.msg import GoalStatus
 from flashrt_ros.msg import Interrupt
-from node_harness import diagnostics, HOME, matched, set_parameter, wait_until as _wait
+from node_harness import diagnostics, HOME, set_parameter, wait_until as _wait
 import pytest
 from rclpy.event_handler import PublisherEventCallbacks
 from rclpy.qos import QoSProfile, ReliabilityPolicy
@@ -30,7 +30,7 @@ def _set_param(client, name, value):
 def test_generate_streams_tokens(client, at_home):
     streamed = []
     sub = client.subscribe_tokens(streamed.append)
-    assert matched(sub)
+    assert client.wait_for_publishers(sub)
     try:
         outcome = client.generate('Hello robot.', max_new_tokens=12)
         assert _wait(lambda: any(c.final for c in streamed))
@@ -254,7 +254,7 @@ def test_reset_topic(client, at_home, events):
 def test_prompt_topic(client, at_home):
     streamed = []
     sub = client.subscribe_tokens(streamed.append)
-    assert matched(sub)
+    assert client.wait_for_publishers(sub)
     try:
         client.publish_prompt('Where am I?')
         assert _wait(lambda: any(c.final for c in streamed), 20.0)
@@ -303,7 +303,7 @@ def test_final_chunk_ends_the_turn(client, at_home):
     """A client that acts on the final chunk finds the turn's work done and the node free."""
     streamed, answers = [], []
     sub = client.subscribe_tokens(streamed.append)
-    assert matched(sub)
+    assert client.wait_for_publishers(sub)
 
     def on_chunk(chunk):
         if not chunk.final:
@@ -409,7 +409,7 @@ def test_client_callbacks_one_at_a_time_in_order(client, at_home):
         return consume
 
     sub = client.subscribe_tokens(consumer('tokens'))
-    assert _wait(lambda: sub.get_publisher_count() >= 1)  # matched: no chunk is missed
+    assert client.wait_for_publishers(sub)  # matched: no chunk is missed
     try:
         outcome = client.generate('Go.', max_new_tokens=60, feedback_callback=consumer('feedback'),
                                   timeout=60.0)

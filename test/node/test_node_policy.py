@@ -5,7 +5,7 @@ import time
 
 from flashrt_ros.msg import Interrupt
 from flashrt_ros.node_process import NodeProcess
-from node_harness import EventLog, HOME, matched, start_client, wait_active
+from node_harness import EventLog, HOME, start_client, wait_active
 import pytest
 from trajectory_msgs.msg import JointTrajectory
 
@@ -48,7 +48,7 @@ class _Actions:
         wait_active(self.client, proc)
         assert self.client.wait_for_subscribers(10.0, 'observation'), 'no subscription'
         self.chunks = []
-        assert matched(self.client.subscribe_actions(self.chunks.append))
+        assert self.client.wait_for_publishers(self.client.subscribe_actions(self.chunks.append))
 
     def wait_for(self, predicate, timeout=10.0):
         deadline = time.monotonic() + timeout
@@ -127,7 +127,7 @@ def test_observations_give_chunks_and_capsule_services_work(policy):
 
 def test_joint_trajectory_carries_the_chunk(policy):
     trajectories = []
-    assert matched(policy.client.node.create_subscription(
+    assert policy.client.wait_for_publishers(policy.client.node.create_subscription(
         JointTrajectory, '/flashrt_policy/joint_trajectory', trajectories.append, 10))
     _home(policy)
     chunk = policy.step([0.3, 0.3])

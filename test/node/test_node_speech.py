@@ -8,7 +8,7 @@ from flashrt_ros.node_process import NodeProcess
 from flashrt_ros.runtime import Runtime
 from flashrt_ros.runtime.modes.speech import Transcriber
 from node_harness import diagnostics, EventLog, HOME, node_in_process, start_client
-from node_harness import matched, wait_active, wait_until
+from node_harness import wait_active, wait_until
 import numpy as np
 import pytest
 from speech_script import script_tokens
@@ -164,7 +164,7 @@ def test_words_stamps_and_the_end_of_utterance_over_dds():
         chunks, ends = [], []
         subs = (client.subscribe_transcript(chunks.append),
                 client.subscribe_end_of_utterance(ends.append))
-        assert all(matched(sub) for sub in subs)
+        assert client.wait_for_publishers(*subs)
         assert client.wait_for_subscribers(inputs='audio')
         stamp = client.now()
         client.publish_audio(_audio(8, seed=6), 24000, 0, stamp)  # one chunk, 8 frames

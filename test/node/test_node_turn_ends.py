@@ -13,7 +13,7 @@ import time
 
 from action_msgs.msg import GoalStatus
 from flashrt_ros.msg import Interrupt
-from node_harness import HOME, matched, NODE_A_PARAMS, node_in_process
+from node_harness import HOME, NODE_A_PARAMS, node_in_process
 from node_harness import wait_until as _wait
 import pytest
 from rclpy.parameter import Parameter
@@ -121,7 +121,7 @@ def test_interrupt_event_comes_after_the_turn(probe, slowed, mode):
     client, _, _ = probe
     events = []  # (receipt time, event)
     sub = client.subscribe_events(lambda e: events.append((time.time(), e)))
-    assert matched(sub)
+    assert client.wait_for_publishers(sub)
     try:
         slowed['before_final'] = DELAY  # the interrupted turn is slow to end
         run = client.start_generate(LONG_PROMPT, max_new_tokens=600)
@@ -151,7 +151,7 @@ def test_deactivate_publishes_the_final_chunk(probe, slowed):
     client, _, _ = probe
     tokens = []
     sub = client.subscribe_tokens(tokens.append)
-    assert matched(sub)
+    assert client.wait_for_publishers(sub)
     slowed['before_final'] = DELAY
     try:
         # 'ending': the turn is counted out and its final chunk waits when deactivate comes

@@ -2,7 +2,7 @@
 
 from flashrt_ros.node_process import NodeProcess
 from flashrt_ros.runtime.models.smolvla import save_smolvla_checkpoint, save_tiny_vlm
-from node_harness import EventLog, HOME, matched, start_client, wait_active, wait_until
+from node_harness import EventLog, HOME, start_client, wait_active, wait_until
 import pytest
 
 JOINTS = [f'joint_{i}' for i in range(6)]
@@ -25,7 +25,7 @@ def vla(tmp_path_factory, capsule_dir):
         wait_active(client, proc)
         assert client.wait_for_subscribers(10.0, 'observation')
         chunks, events = [], EventLog(client)
-        assert matched(client.subscribe_actions(chunks.append))
+        assert client.wait_for_publishers(client.subscribe_actions(chunks.append))
         yield client, chunks, events
     finally:
         client.close()

@@ -5,7 +5,6 @@ import random
 import threading
 import time
 
-from flashrt_ros.client import poll
 import pytest
 from reliability_harness import HOME, POLICY_PARAMS, running_node, Surroundings
 from reliability_harness import wait_restore_home
@@ -41,7 +40,7 @@ class Interrupts:
     def __init__(self, client):
         self.events, self._new = [], threading.Condition()
         self._sub = client.subscribe_events(self._add)
-        assert poll(lambda: self._sub.get_publisher_count() > 0, 10.0)  # or events are lost
+        assert client.wait_for_publishers(self._sub)  # or events are lost
 
     def _add(self, event):
         if event.operation == 'interrupt':
@@ -190,7 +189,7 @@ def test_fuzz_observations(tmp_path, surroundings):
             return callback
 
         subs = [client.subscribe_events(add('event')), client.subscribe_actions(add('actions'))]
-        assert poll(lambda: all(s.get_publisher_count() > 0 for s in subs), 10.0)
+        assert client.wait_for_publishers(*subs)
         wait_restore_home(client)
 
         def settle():

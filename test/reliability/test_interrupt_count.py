@@ -5,7 +5,6 @@ import re
 import threading
 import time
 
-from flashrt_ros.client import poll
 from reliability_harness import HOME, running_node, wait_restore_home
 
 INTERRUPTS = 10_000
@@ -29,7 +28,7 @@ def test_ten_thousand_interrupts_each_applied_once_in_order(tmp_path, surroundin
                     lock.notify_all()
 
         sub = client.subscribe_events(on_event)
-        assert poll(lambda: sub.get_publisher_count() > 0, 10.0)  # or events are lost
+        assert client.wait_for_publishers(sub)  # or events are lost
         for i in range(INTERRUPTS):
             with lock:
                 assert lock.wait_for(lambda: i - len(seen) < IN_FLIGHT, 30.0), (
