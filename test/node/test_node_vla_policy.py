@@ -26,19 +26,31 @@ def vla(tmp_path_factory, capsule_dir):
         assert client.wait_for_subscribers(10.0, 'observation')
         chunks, events = [], EventLog(client)
         assert client.wait_for_publishers(client.subscribe_actions(chunks.append))
+        # The client makes its camera and joint-state publishers on first use and the camera
+        # is best effort: a first image can be lost. Observe until a chunk comes (each test
+        # restores home first).
+        assert any(_chunk_for(client, chunks, 1, 5.0) is not None for _ in range(5))
         yield client, chunks, events
     finally:
         client.close()
         assert proc.stop() == 0, proc.log()[-3000:]
 
 
-def _observe(client, chunks, level=100):
+def _chunk_for(client, chunks, level, timeout):
+    """Publish an image and a joint state with one stamp; return the chunk's actions or None."""
     start, stamp = len(chunks), client.now()
     client.publish_image('top', bytes([level]) * (3 * HEIGHT * WIDTH), HEIGHT, WIDTH,
                          stamp=stamp)
     client.publish_joint_state(JOINTS, [0.1 * i for i in range(6)], stamp=stamp)
-    assert wait_until(lambda: len(chunks) > start, timeout=10.0), 'no ActionChunk'
+    if not wait_until(lambda: len(chunks) > start, timeout=timeout):
+        return None
     return list(chunks[start].actions)
+
+
+def _observe(client, chunks, level=100):
+    actions = _chunk_for(client, chunks, level, 10.0)
+    assert actions is not None, 'no ActionChunk'
+    return actions
 
 
 def test_the_home_capsule_holds_the_instruction_given_before_activation(vla):
