@@ -413,7 +413,8 @@ def test_client_callbacks_one_at_a_time_in_order(client, at_home):
     try:
         outcome = client.generate('Go.', max_new_tokens=60, feedback_callback=consumer('feedback'),
                                   timeout=60.0)
-        assert _wait(lambda: len(seen['tokens']) >= 61 and len(seen['feedback']) >= 61)
+        assert _wait(lambda: len(seen['tokens']) >= 61 and len(seen['feedback']) >= 61), (
+            {kind: [index for _, index in chunks] for kind, chunks in seen.items()})
     finally:
         client.node.destroy_subscription(sub)
     assert len(outcome.token_ids) == 60
