@@ -129,6 +129,24 @@ def _fig5_stages(f):
     return header, rows
 
 
+def _fig5_tail(f):
+    """Per control executor and kind: each stage's median share, slowest 1% / all."""
+    shares = ('published_to_received', 'callback', 'checked', 'armed', 'step_left', 'copied',
+              'restored')
+    header = ['executor', 'kind', 'n', 'from ms'] + [s.replace('_', ' ') for s in shares] + [
+        'largest share (times)']
+    rows = []
+    for control, per_kind in f['controls'].items():
+        for kind, tail in per_kind.get('tail', {}).items():
+            if not tail.get('n'):
+                continue
+            slow, every = tail['slowest'], tail['all']
+            rows.append([control, kind, tail['n'], _num(tail['threshold_ms'], '.3f')] + [
+                f"{_num(slow.get(s), '.3f')} / {_num(every.get(s), '.3f')}" for s in shares]
+                + [', '.join(f'{s.replace("_", " ")} {n}' for s, n in tail['largest'].items())])
+    return header, rows
+
+
 def _fig5disk(f):
     header = ['interrupt', 'client ms: quiet', 'during the write', 'ratio (median / p99)',
               'node ms: quiet', 'during the write', 'n']
@@ -314,6 +332,10 @@ def sections(results):
         if 'controls' in fig:
             header, rows = _fig5_stages(fig)
             yield f'{key}: where the time went, stage by stage', header, rows, []
+            header, rows = _fig5_tail(fig)
+            if rows:
+                yield (f'{key}: the slowest 1% (received -> restored from its p99 on): each '
+                       "stage's own time, median of the slowest / of all"), header, rows, []
     yield 'targets', ['figure', 'target', 'measured', 'holds'], targets(results), []
 
 

@@ -51,6 +51,11 @@ CONTROLS = (
     ('single_rt', 'flashrt_single_rt', dict(RT, control_executor='single')),
     ('shared', 'flashrt_shared', {'control_executor': 'shared'}),
 )
+# An interrupt's stages, each as its own share of the time: from the end of the one before
+# (the publish, then the receipt) to its own end.
+SHARES = ('published_to_received', 'callback', 'checked', 'armed', 'step_left', 'copied',
+          'restored')
+TAIL_PERCENTILE = 99  # the slowest interrupts, by received -> restored, that _tail explains
 
 
 def ros_missing():
@@ -264,6 +269,39 @@ def _step_seconds(chunks):
     return steps
 
 
+def _shares(before_receipt_ms, names, after_receipt_ms):
+    """Return {stage: its own ms} of one event's stages (SHARES; ms after receipt given)."""
+    shares, last = {'published_to_received': before_receipt_ms}, 0.0
+    for name, ms in zip(names, after_receipt_ms):
+        if name in SHARES:
+            shares[name], last = ms - last, ms
+    return shares
+
+
+def _tail(records, totals_ms):
+    """
+    Say where the slowest interrupts' time went (received -> restored at TAIL_PERCENTILE on).
+
+    Each stage's median share among the slowest beside its median share among all, and how
+    often each stage was the largest share after receipt in one of the slowest.
+    """
+    if not records:
+        return {'n': 0}
+    totals = np.asarray(totals_ms, dtype=np.float64)
+    cut = float(np.percentile(totals, TAIL_PERCENTILE))
+    slow = [r for r, t in zip(records, totals) if t >= cut]
+
+    def medians(rows):
+        return {s: float(np.median([r[s] for r in rows if s in r]))
+                for s in SHARES if any(s in r for r in rows)}
+    largest = collections.Counter(
+        max((s for s in r if s != 'published_to_received'), key=r.get) for r in slow)
+    return {'n': len(slow), 'threshold_ms': cut, 'slowest': medians(slow),
+            'all': medians(records), 'largest': dict(largest.most_common()),
+            'slowest_records': [dict(r, received_to_restored=float(t))
+                                for r, t in zip(records, totals) if t >= cut]}
+
+
 def _dist(samples_ms):
     """Return median, p90, p99, max and n of samples in ms (None when there are none)."""
     x = np.asarray(samples_ms, dtype=np.float64)
@@ -293,6 +331,7 @@ class _Target:
         self.step_s = 0.01
         self.samples = {'interrupt': collections.defaultdict(list),
                         'reset': collections.defaultdict(list)}
+        self.shares = {'interrupt': [], 'reset': []}  # _shares of each interrupt
         self.missed = collections.Counter()
         self.idle = self.failed = 0
 
@@ -336,6 +375,8 @@ class _Target:
         out['client_event'].append((arrived - t0) * 1e3)
         for name, ms in zip(msg.stage_names, msg.stage_ms):
             out[name].append(ms)
+        self.shares[kind].append(_shares(restored * 1e3 - msg.latency_ms, msg.stage_names,
+                                         msg.stage_ms))
         self.idle += not running
         self.failed += not msg.success
         return None
@@ -348,6 +389,7 @@ class _Target:
         self.one_turn(-1, 'interrupt', WARMUP_TOKENS)  # learn the decode-step time
         self.step_s = float(np.median(_step_seconds(self.tokens.items) or [self.step_s]))
         self.samples['interrupt'].clear()
+        self.shares['interrupt'].clear()
 
     def result(self):
         out = {kind: {key: _dist(v) for key, v in samples.items()}
@@ -358,6 +400,8 @@ class _Target:
             'received_to_restored_samples_ms': self.samples['interrupt']['received_to_restored'],
             'published_to_restored_samples_ms':
                 self.samples['interrupt']['published_to_restored'],
+            'tail': {kind: _tail(self.shares[kind], samples['received_to_restored'])
+                     for kind, samples in self.samples.items()},
             'missed': sum(self.missed.values()), 'missed_by_what': dict(self.missed),
             'not_generating_when_interrupted': self.idle, 'failed': self.failed})
         return out
