@@ -19,6 +19,7 @@ import torch
 from .errors import FlashRTError
 from .inference import inference
 from .models.base import CausalLMAdapter
+from .models.pieces import preemptible
 from .state.arena import StateSpec
 
 PREFILL_CHUNK = 2048  # tokens per prefill forward: bounds activation memory for long prompts
@@ -82,6 +83,7 @@ class Engine:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_error: str | None = None
         self.replays = 0  # decode steps run by replaying the graph (stats: cuda_graph_replays)
+        self.prefill_pieces = True  # False: a preemption waits for whole operations (an A/B)
         if self.cuda_graphs and getattr(adapter, 'has_sliding_layers', False):
             # Sliding-window layers branch in Python on a host-side counter; a graph would
             # freeze one branch. Run them eagerly rather than risk a wrong step.
@@ -103,14 +105,17 @@ class Engine:
         Consume ids at `position` in chunks; return how many were consumed.
 
         stop(): asked between chunks; when true the rest is left out, and the state is
-        exactly that of a prefill of the chunks run (next-token logits included).
+        exactly that of a prefill of the chunks run (next-token logits included). A waiting
+        preemption abandons a chunk at its next module call or, with `prefill_pieces`,
+        within a piece of its long operations (models/pieces.py).
         """
         t = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, T]
         end = 0
         while end < t.shape[1] and not (end and stop is not None and stop()):
             chunk = t[:, end:end + PREFILL_CHUNK]  # [1, <=C]
             end += chunk.shape[1]
-            out = self.adapter.forward(chunk, kv_len=position + end)  # [1, V]
+            with preemptible(self.prefill_pieces):
+                out = self.adapter.forward(chunk, kv_len=position + end)  # [1, V]
         self.logits.copy_(out[0])
         return end
 

@@ -6,7 +6,8 @@ abandoned and how the state is put back.
 
 A waiting preemption abandons the step in flight at its next module call (StepAborted);
 compiled code that calls no module (models/cpu_step.c) polls ARMED between layers and meets
-the same hook there. An abandoned forward leaves the state torn, and the capsule written
+the same hook there, and a long operation run in pieces (models/pieces.py) calls meet()
+between them. An abandoned forward leaves the state torn, and the capsule written
 over it also zeroes the rows that forward may have written (Cursor.extent). A captured CUDA
 graph replays as one launch, so there the wait is up to one step. A policy's act() holds no
 turn: it serves the preemption itself and raises PreemptedError (modes/policy.py).
@@ -30,12 +31,24 @@ class StepAborted(Exception):
 # polls it between layers and, when set, meets the global hook there as a module call would.
 ARMED = ctypes.c_int32(0)
 _armed_lock = threading.Lock()
+_checks: list = []  # what meet() asks: each armed preemption's check(module, args)
 
 
-def arm(step: int) -> None:
-    """Count a preemption armed (1) or disarmed (-1) in ARMED."""
+def arm(step: int, check=None) -> None:
+    """Count a preemption armed (1) or disarmed (-1) in ARMED; add or remove its `check`."""
     with _armed_lock:
         ARMED.value += step
+        if check is not None and step > 0:
+            _checks.append(check)
+        elif check is not None:
+            _checks.remove(check)
+
+
+def meet() -> None:
+    """Let an armed preemption abandon this thread's forward here, as a module call would."""
+    if ARMED.value:
+        for check in tuple(_checks):
+            check(None, ())
 
 
 def end_turn(gen, torn: bool) -> bool:

@@ -8,8 +8,8 @@ tests need none either (test/runtime/test_writer.py).
   step at a time; `turn` is the generation that holds the slot from generate() until it
   ends, and `stop` asks it to end at its next step boundary.
 - A restore or rollback that must not wait for a running turn preempts it (`preempt`): the
-  request is armed first (a global forward pre-hook, and `preemption.ARMED` for compiled
-  code that calls no module), then it waits for the step lock. The turn's thread meets it
+  request is armed first (a global forward pre-hook, and `preemption.ARMED` and `meet()` for
+  code between module calls), then it waits for the step lock. The turn's thread meets it
   at its next step boundary (`pending`), or inside the forward at its next module call
   while `abortable()` (the hook raises StepAborted there, on that thread only), and runs
   it itself (`serve`); when no step runs, the caller runs it under the lock.
@@ -164,7 +164,7 @@ class WriterSlot:
             hook = None
             if self._abortable_steps:  # armed first: the next module call meets it
                 hook = torch.nn.modules.module.register_module_forward_pre_hook(self._check)
-                arm(1)
+                arm(1, self._check)
             try:
                 self._request = request
                 request.stages['armed'] = time.time()
@@ -185,7 +185,7 @@ class WriterSlot:
                 request.end_lent_priority()
                 if hook is not None:
                     hook.remove()
-                    arm(-1)
+                    arm(-1, self._check)
         if request.error is not None:
             raise request.error
         return request.result
@@ -202,7 +202,7 @@ class WriterSlot:
         self.lock.acquire()
 
     def _check(self, module, args) -> None:
-        """Abandon this thread's step (the forward pre-hook of an armed preemption)."""
+        """Abandon this thread's step (the forward pre-hook of an armed preemption, meet())."""
         if self._request is not None and self._abortable_thread == threading.get_ident():
             raise StepAborted()
 

@@ -20,10 +20,7 @@ computes.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import sys
-import threading
 from typing import Any
 
 import torch
@@ -37,43 +34,6 @@ from ..state.arena import StateSpec
 
 PREFIX = 'mtp.'
 HIDDEN, META = 'mtp.hidden', 'mtp.meta'
-CHUNK, RECURRENT = 'torch_chunk_gated_delta_rule', 'torch_recurrent_gated_delta_rule'
-_short = threading.local()  # .on: this thread's gated-delta forwards run token by token
-
-
-def _token_by_token(module) -> None:
-    """
-    Let `recurrent_rule()` run a modeling module's multi-token gated-delta forwards per token.
-
-    transformers runs any forward of more than one token with the chunked rule, which pads
-    to 64-token chunks: for the 2-4 tokens of a verify that costs many decode steps on CPU.
-    The per-token rule is the one a decode step runs. Process-wide binding, per-thread switch.
-    """
-    chunked = getattr(module, CHUNK, None)
-    if chunked is None or not hasattr(module, RECURRENT) or getattr(chunked, 'short', False):
-        return
-
-    def rule(*args, **kwargs):
-        if getattr(_short, 'on', False):
-            kwargs.pop('chunk_size', None)
-            return getattr(module, RECURRENT)(*args, **kwargs)
-        return chunked(*args, **kwargs)
-
-    rule.short = True
-    # kernels.route_kernels looks through it to the transformers binding, as before.
-    rule.flashrt_kernel = getattr(chunked, 'flashrt_kernel', chunked)
-    setattr(module, CHUNK, rule)
-
-
-@contextlib.contextmanager
-def recurrent_rule(on: bool = True):
-    """Run this thread's gated-delta forwards token by token inside (see _token_by_token)."""
-    before = getattr(_short, 'on', False)
-    _short.on = on
-    try:
-        yield
-    finally:
-        _short.on = before
 
 
 class MTPAdapter(CausalLMAdapter):
@@ -89,8 +49,6 @@ class MTPAdapter(CausalLMAdapter):
         self.base = inner.model.model  # the decoder stack: hidden states, not logits
         self.lm_head = inner.model.lm_head
         self.binding = CacheBinding(head.config, inner.max_seq_len, self.family, self._probe)
-        for name in {type(m).__module__ for m in self.model.modules()}:
-            _token_by_token(sys.modules[name])
         self.layer = self.binding.cache.layers[0]
         # Set by a round whose first draft already wrote the head row of the first token.
         self.skip_first_upkeep = False

@@ -35,7 +35,7 @@ from .generation import _feed
 from ...config import MAX_DRAFT_TOKENS
 from ...errors import FlashRTError
 from ...inference import inference
-from ...models.speculative import recurrent_rule
+from ...models.pieces import recurrent_rule
 from ...preemption import guarded_forward
 
 TRACE_ROUNDS = 4096  # accepted-draft counts of the latest rounds (tests, benchmarks)

@@ -1,0 +1,150 @@
+"""
+The two long operations of a multi-token forward, run in pieces where that pays.
+
+A forward of more than one token spends most of its time in two operations that call no
+module for as long as they run: the chunked gated-delta rule of a hybrid's linear-attention
+layers and the attention over the cache. Per thread, either runs in pieces:
+
+- `recurrent_rule()`: the gated-delta rule token by token, the rule a decode step runs. The
+  chunked rule pads to 64-token chunks: for the 2-4 tokens of a speculative verify that
+  costs many decode steps on CPU.
+- `preemptible()` (a prefill): the rule and the attention PIECE_ROWS query rows at a time,
+  with preemption.meet() between pieces, so a waiting preemption abandons a prefill within
+  one piece. Otherwise it waits for one layer's operation over a whole PREFILL_CHUNK, which
+  grows with the chunk and, for the attention, with the cache. CPU tensors only: on CUDA
+  the launches are asynchronous and the next module call comes soon anyway.
+
+Pieces give the same bytes as one call (test/runtime/test_pieces.py): the rule carries its
+recurrent state from piece to piece, cut at a multiple of its 64-token chunk; a query row's
+attention does not depend on the other rows, and a causal attention gets its mask
+explicitly over the same keys, as the whole call applies it.
+
+The bindings are process-wide, as transformers' are: `install(model)` wraps the rule of each
+modeling module of `model` and the 'sdpa' attention function, once; outside the two context
+managers the wrappers call what they wrap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+
+import torch
+
+from ..preemption import meet
+
+CHUNK, RECURRENT = 'torch_chunk_gated_delta_rule', 'torch_recurrent_gated_delta_rule'
+RULE_CHUNK = 64  # the chunked rule's chunk_size default: rule pieces are a multiple of it
+PIECE_ROWS = 128  # query rows (tokens) per piece: 64 costs the default model 20% of its prefill
+_RULE_ARGS = ('query', 'key', 'value', 'g', 'beta')  # the rule's positional parameters
+_mode = threading.local()  # .short, .pieces: how this thread's forwards run
+
+
+@contextlib.contextmanager
+def _switched(name: str, on: bool):
+    before = getattr(_mode, name, False)
+    setattr(_mode, name, on)
+    try:
+        yield
+    finally:
+        setattr(_mode, name, before)
+
+
+def recurrent_rule(on: bool = True):
+    """Run this thread's gated-delta forwards token by token inside."""
+    return _switched('short', on)
+
+
+def preemptible(on: bool = True):
+    """Run this thread's long CPU operations in pieces inside, meeting preemptions between."""
+    return _switched('pieces', on)
+
+
+def _in_pieces(rows: torch.Tensor, dim: int) -> bool:
+    return (getattr(_mode, 'pieces', False) and rows.device.type == 'cpu'
+            and rows.shape[dim] > PIECE_ROWS)
+
+
+def install(model: torch.nn.Module) -> None:
+    """Wrap the gated-delta rule of `model`'s modeling modules and 'sdpa' (idempotent)."""
+    for name in {type(m).__module__ for m in model.modules()}:
+        module = sys.modules.get(name)
+        if module is not None:
+            _wrap_rule(module)
+    _wrap_attention()
+
+
+def _wrap_rule(module) -> None:
+    chunked = getattr(module, CHUNK, None)
+    if chunked is None or not hasattr(module, RECURRENT) or getattr(chunked, 'pieces', False):
+        return
+
+    def rule(*args, **kwargs):
+        if getattr(_mode, 'short', False):
+            kwargs.pop('chunk_size', None)
+            return getattr(module, RECURRENT)(*args, **kwargs)
+        query = args[0] if args else kwargs.get('query')
+        if (len(args) > len(_RULE_ARGS) or kwargs.get('cu_seqlens') is not None
+                or query is None or not _in_pieces(query, 1)):
+            return chunked(*args, **kwargs)
+        return _rule_in_pieces(chunked, dict(zip(_RULE_ARGS, args), **kwargs))
+
+    rule.pieces = True
+    # kernels.route_kernels looks through it to the transformers binding.
+    rule.flashrt_kernel = getattr(chunked, 'flashrt_kernel', chunked)
+    setattr(module, CHUNK, rule)
+
+
+def _rule_in_pieces(chunked, kwargs: dict):
+    """Run the chunked rule over [B, T, ...] inputs PIECE_ROWS tokens (rounded up) at a time."""
+    chunk = kwargs.get('chunk_size', RULE_CHUNK)
+    size = -(-PIECE_ROWS // chunk) * chunk
+    state, keep = kwargs.get('initial_state'), kwargs.get('output_final_state', False)
+    outs = []
+    for start in range(0, kwargs['query'].shape[1], size):
+        if start:
+            meet()
+        piece = dict(kwargs, initial_state=state, output_final_state=True)
+        for name in _RULE_ARGS:
+            piece[name] = kwargs[name][:, start:start + size]
+        out, state = chunked(**piece)
+        outs.append(out)
+    return torch.cat(outs, dim=1), (state if keep else None)
+
+
+def _wrap_attention() -> None:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    whole = ALL_ATTENTION_FUNCTIONS.get('sdpa')
+    if whole is None or getattr(whole, 'pieces', False):
+        return
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                  is_causal=None, **kwargs):
+        if (not _in_pieces(query, 2) or kwargs.get('position_bias') is not None
+                or dropout):
+            return whole(module, query, key, value, attention_mask, dropout, scaling,
+                         is_causal, **kwargs)
+        rows, mask = query.shape[2], attention_mask
+        causal = is_causal if is_causal is not None else getattr(module, 'is_causal', True)
+        if mask is None and causal:
+            # What the whole call does: keys past the rows cut off, row i sees keys <= i.
+            key, value = key[:, :, :rows], value[:, :, :rows]
+            at = torch.arange(rows, device=query.device)
+            mask = (at[None, :] <= at[:, None])[None, None]  # [1, 1, rows, rows]
+        # No piece of one row: the whole call would not take that row alone (pack_gqa).
+        starts = [s for s in range(0, rows, PIECE_ROWS) if rows - s > 1 or s == 0]
+        outs = []
+        for start, stop in zip(starts, starts[1:] + [rows]):
+            if start:
+                meet()
+            part = None if mask is None else mask[..., start:stop, :]
+            out, _ = whole(module, query[:, :, start:stop], key, value, part, dropout,
+                           scaling, False, **kwargs)
+            outs.append(out)
+        return torch.cat(outs, dim=1), None  # [B, rows, heads, dim]
+
+    attention.pieces = True
+    attention.flashrt_kernel = whole
+    AttentionInterface.register('sdpa', attention)
