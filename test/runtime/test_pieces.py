@@ -6,10 +6,10 @@ from flashrt_ros.runtime.models import pieces
 import pytest
 from runtime_harness import PROMPT
 
-# A first prompt (a causal attention without a mask, the rule from a zero state) and a
-# second one on top of it (the cache's mask, the rule from the state the first left);
-# neither a multiple of a piece.
-FIRST = [(i * 7) % 200 + 3 for i in range(300)]
+# A first prompt (a causal attention without a mask, past one key block; the rule from a
+# zero state) and a second one on top of it (the cache's mask, the rule from the state the
+# first left); neither a multiple of a piece.
+FIRST = [(i * 7) % 200 + 3 for i in range(700)]
 SECOND = [(i * 11) % 200 + 3 for i in range(201)]
 
 

@@ -17,7 +17,7 @@ layers and the attention over the cache. Per thread, either runs in pieces:
 Pieces give the same bytes as one call (test/runtime/test_pieces.py): the rule carries its
 recurrent state from piece to piece, cut at a multiple of its 64-token chunk; a query row's
 attention does not depend on the other rows, and a causal attention gets its mask
-explicitly over the same keys, as the whole call applies it.
+explicitly, over the keys up to the piece's last row rounded up to the kernel's key block.
 
 The bindings are process-wide, as transformers' are: `install(model)` wraps the rule of each
 modeling module of `model` and the 'sdpa' attention function, once; outside the two context
@@ -37,6 +37,9 @@ from ..preemption import meet
 CHUNK, RECURRENT = 'torch_chunk_gated_delta_rule', 'torch_recurrent_gated_delta_rule'
 RULE_CHUNK = 64  # the chunked rule's chunk_size default: rule pieces are a multiple of it
 PIECE_ROWS = 128  # query rows (tokens) per piece: 64 costs the default model 20% of its prefill
+# Keys per block of torch's CPU attention kernel: keys cut at a multiple of it are summed in
+# the same order for every row (test_pieces checks the bytes).
+KEY_BLOCK = 512
 _RULE_ARGS = ('query', 'key', 'value', 'g', 'beta')  # the rule's positional parameters
 _mode = threading.local()  # .short, .pieces: how this thread's forwards run
 
@@ -128,9 +131,10 @@ def _wrap_attention() -> None:
                          is_causal, **kwargs)
         rows, mask = query.shape[2], attention_mask
         causal = is_causal if is_causal is not None else getattr(module, 'is_causal', True)
+        keys = key.shape[2]
         if mask is None and causal:
             # What the whole call does: keys past the rows cut off, row i sees keys <= i.
-            key, value = key[:, :, :rows], value[:, :, :rows]
+            keys = rows
             at = torch.arange(rows, device=query.device)
             mask = (at[None, :] <= at[:, None])[None, None]  # [1, 1, rows, rows]
         # No piece of one row: the whole call would not take that row alone (pack_gqa).
@@ -139,9 +143,12 @@ def _wrap_attention() -> None:
         for start, stop in zip(starts, starts[1:] + [rows]):
             if start:
                 meet()
-            part = None if mask is None else mask[..., start:stop, :]
-            out, _ = whole(module, query[:, :, start:stop], key, value, part, dropout,
-                           scaling, False, **kwargs)
+            # A causal piece sees no key past its last row: those key blocks are left out.
+            seen = keys if not (causal and attention_mask is None) else min(
+                keys, -(-stop // KEY_BLOCK) * KEY_BLOCK)
+            part = None if mask is None else mask[..., start:stop, :seen]
+            out, _ = whole(module, query[:, :, start:stop], key[:, :, :seen],
+                           value[:, :, :seen], part, dropout, scaling, False, **kwargs)
             outs.append(out)
         return torch.cat(outs, dim=1), None  # [B, rows, heads, dim]
 
