@@ -2,7 +2,7 @@
 A Python client over the flashrt node's services, action and topics.
 
 Every call waits with a timeout and returns the node's answer (or raises TimeoutError);
-nothing loops forever. The client spins its own node on a background MultiThreadedExecutor,
+nothing loops forever. The client spins its own node on a background PoolExecutor (spin.py),
 so its methods may be called from any thread, including from inside a token, event or goal
 feedback callback (a service call or a goal sent from there does not deadlock). Each
 callback sees its messages one at a time, in the order they arrived.
@@ -27,25 +27,28 @@ import os
 import queue
 import threading
 import time
+import uuid
 
 from flashrt_ros.action import Generate, ImportCapsule
 from flashrt_ros.msg import ActionChunk, AudioChunk, CapsuleEvent, EndOfUtterance, Interrupt
 from flashrt_ros.msg import TokenChunk
 from flashrt_ros.qos import AUDIO_QOS, COMMAND_QOS, INTERRUPT_QOS  # noqa: F401 (re-exported)
 from flashrt_ros.qos import FEEDBACK_QOS, IMAGE_QOS, INSTRUCTION_QOS, STREAM_QOS
-from flashrt_ros.spin import spin_until_shutdown, stop_spinning
+from flashrt_ros.spin import PoolExecutor, spin_until_shutdown, stop_spinning
 from flashrt_ros.srv import DeleteCapsule, Fork, ListCapsules, Restore, Rollback, Snapshot
 from lifecycle_msgs.srv import ChangeState, GetState
 import rclpy
 from rclpy.action import ActionClient
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.context import Context
-from rclpy.executors import MultiThreadedExecutor
 from sensor_msgs.msg import Image, JointState
 from std_msgs.msg import Empty, Float32MultiArray, String
 from std_srvs.srv import Trigger
+from unique_identifier_msgs.msg import UUID
 
-FINAL_CHUNK_GRACE_S = 0.05
+# How long result() waits for the final chunk after the result: it was sent first, and
+# only a lost message (a full queue) keeps it away.
+FINAL_CHUNK_GRACE_S = 0.5
 # How long a camera's publisher, made at its first image, waits for a subscriber before
 # that image goes out (a message sent before the node has matched the publisher is lost).
 IMAGE_MATCH_S = 2.0
@@ -85,16 +88,55 @@ class GenerateOutcome:
                 f'message={self.message!r})')
 
 
+class GoalFeedback:
+    """
+    A ~/generate goal's feedback, from a subscription of the client's own.
+
+    rclpy's ActionClient forgets a goal's feedback callback as soon as its result arrives,
+    and feedback and result travel on different channels: a chunk sent before the result
+    but taken after it would be dropped. Here a goal's callback lives from before the goal
+    is sent until its run ends it.
+    """
+
+    def __init__(self, node, name):
+        self._callbacks = {}  # goal id bytes -> callback(feedback message)
+        self._lock = threading.Lock()  # end() returns only once no callback of it runs
+        self.subscription = node.create_subscription(
+            Generate.Impl.FeedbackMessage, f'{name}/_action/feedback', self._take,
+            FEEDBACK_QOS, callback_group=MutuallyExclusiveCallbackGroup())
+
+    def add(self, callback):
+        """Register callback(feedback message) for a new goal id; return the id."""
+        goal_id = UUID(uuid=list(uuid.uuid4().bytes))
+        with self._lock:
+            self._callbacks[bytes(goal_id.uuid)] = callback
+        return goal_id
+
+    def end(self, goal_id):
+        """Drop the goal's callback: nothing more of that goal reaches it."""
+        with self._lock:
+            self._callbacks.pop(bytes(goal_id.uuid), None)
+
+    def _take(self, message):
+        with self._lock:
+            callback = self._callbacks.get(bytes(message.goal_id.uuid))
+            if callback is not None:
+                callback(message)
+
+
 class GoalRun:
     """A ~/generate goal in flight: wait for its result or cancel it."""
 
-    def __init__(self, client, goal_handle, chunks, timeout, on_chunk):
+    def __init__(self, client, goal_handle, chunks, timeout, on_chunk, end_feedback):
         self._client = client
         self._goal_handle = goal_handle
         self.chunks = chunks
         self._on_feedback_chunk = on_chunk
+        self._end_feedback = end_feedback
         self._timeout = timeout
         self._result_future = goal_handle.get_result_async() if goal_handle.accepted else None
+        if not goal_handle.accepted:
+            end_feedback()
 
     @property
     def accepted(self):
@@ -113,12 +155,13 @@ class GoalRun:
                                    'running and goal_policy is reject, or the node is not active)')
         timeout = self._timeout if timeout is None else timeout
         wrapped = self._client._wait(self._result_future, timeout, 'generate result')
-        # Feedback and result travel on different channels, and rclpy drops feedback that
-        # arrives after the result: when the final chunk is missing, rebuild it from the
-        # result so `chunks` (and the feedback callback) always end with final=True.
+        # Feedback and result travel on different channels: the chunks still on their way
+        # come (GoalFeedback); a final chunk that was lost is rebuilt from the result, so
+        # `chunks` (and the feedback callback) always end with final=True.
         deadline = time.monotonic() + FINAL_CHUNK_GRACE_S
         while self.chunks and not self.chunks[-1].final and time.monotonic() < deadline:
             time.sleep(0.002)
+        self._end_feedback()
         if not self.chunks or not self.chunks[-1].final:
             self._on_feedback_chunk(self._final_chunk(wrapped.result))
         self._client._feedback_drained(timeout)  # the callbacks of every chunk have run
@@ -213,6 +256,7 @@ class FlashRTClient:
         self._generate = ActionClient(n, Generate, f'{self.base}/generate',
                                       callback_group=MutuallyExclusiveCallbackGroup(),
                                       feedback_sub_qos_profile=FEEDBACK_QOS)
+        self._generate_feedback = GoalFeedback(n, f'{self.base}/generate')
         self._import = ActionClient(n, ImportCapsule, f'{self.base}/import_capsule',
                                     callback_group=MutuallyExclusiveCallbackGroup(),
                                     feedback_sub_qos_profile=FEEDBACK_QOS)
@@ -234,7 +278,7 @@ class FlashRTClient:
         self._feedback_thread = threading.Thread(target=self._deliver_feedback,
                                                  name='flashrt-client-feedback', daemon=True)
         self._feedback_thread.start()
-        self._executor = MultiThreadedExecutor(num_threads=4, context=context)
+        self._executor = PoolExecutor(num_threads=4, context=context)
         self._executor.add_node(n)
         self._closing = False
         self._spinner = threading.Thread(target=self._spin, name='flashrt-client', daemon=True)
@@ -429,10 +473,15 @@ class FlashRTClient:
                 self._feedback.put((feedback_callback, chunk))
 
         refuse_nul(goal)
-        future = self._generate.send_goal_async(
-            goal, feedback_callback=lambda message: on_chunk(message.feedback.chunk))
-        goal_handle = self._wait(future, timeout, 'generate goal')
-        return GoalRun(self, goal_handle, chunks, timeout, on_chunk)
+        goal_id = self._generate_feedback.add(lambda message: on_chunk(message.feedback.chunk))
+        try:
+            goal_handle = self._wait(self._generate.send_goal_async(goal, goal_uuid=goal_id),
+                                     timeout, 'generate goal')
+        except BaseException:
+            self._generate_feedback.end(goal_id)
+            raise
+        return GoalRun(self, goal_handle, chunks, timeout, on_chunk,
+                       lambda: self._generate_feedback.end(goal_id))
 
     def generate(self, prompt='', *, timeout=60.0, **kwargs):
         """Run one turn and return its GenerateOutcome (keywords as in start_generate)."""

@@ -5,9 +5,8 @@ import sys
 import threading
 
 from flashrt_ros.session.turns import SWITCH_INTERVAL_IDLE_S
-from flashrt_ros.spin import spin_until_shutdown, stop_spinning
+from flashrt_ros.spin import PoolExecutor, spin_until_shutdown, stop_spinning
 import rclpy
-from rclpy.executors import MultiThreadedExecutor
 from rclpy.lifecycle import TransitionCallbackReturn
 from rclpy.signals import SignalHandlerOptions
 
@@ -28,7 +27,7 @@ def main(args=None):
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
     node = None
-    executor = MultiThreadedExecutor(num_threads=6)
+    executor = PoolExecutor(num_threads=6)
     try:
         node = FlashRTNode()
         node.tune_switch_interval = True

@@ -275,7 +275,7 @@ def test_service_call_from_token_callback(client, at_home):
             answers.append(client.restore(HOME))
             answers.append(client.list_capsules())
 
-    outcome = client.generate('Callback.', max_new_tokens=8, feedback_callback=on_chunk,
+    outcome = client.generate('Callback.', max_new_tokens=60, feedback_callback=on_chunk,
                               timeout=30.0)
     assert outcome.result.success
     assert len(answers) == 3
@@ -421,6 +421,23 @@ def test_client_callbacks_one_at_a_time_in_order(client, at_home):
     for kind in ('tokens', 'feedback'):
         assert seen[kind] == sorted(seen[kind]), f'{kind} out of order'
         assert most[kind] == 1, f'{kind}: {most[kind]} callbacks at once'
+
+
+def test_every_feedback_chunk_comes_though_the_result_came_first(client, at_home):
+    """
+    No feedback chunk is dropped or rebuilt from the result (a rebuilt one has no stamp).
+
+    rclpy's action client forgets a goal's feedback callback when the result arrives, so a
+    chunk taken after it was lost; the client takes the feedback itself (GoalFeedback).
+    """
+    for turn in range(60):  # short turns: the last chunk and the result go out together
+        chunks = []
+        outcome = client.generate('Go.', max_new_tokens=1, feedback_callback=chunks.append)
+        assert outcome.result.success
+        tokens = len(outcome.token_ids)  # a chunk per token, then the final one
+        assert [c.index for c in chunks] == list(range(tokens + 1)), f'turn {turn}'
+        assert chunks[-1].final and not any(c.final for c in chunks[:-1]), f'turn {turn}'
+        assert all(c.header.stamp.sec > 0 for c in chunks), f'turn {turn}: a chunk rebuilt'
 
 
 def test_goal_sent_from_feedback_callback(client, at_home):
