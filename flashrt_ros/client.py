@@ -49,6 +49,7 @@ from unique_identifier_msgs.msg import UUID
 # How long result() waits for the final chunk after the result: it was sent first, and
 # only a lost message (a full queue) keeps it away.
 FINAL_CHUNK_GRACE_S = 0.5
+RESEND_S = 1.0  # a call that changes nothing, unanswered this long, is sent again (_call)
 # How long a camera's publisher, made at its first image, waits for a subscriber before
 # that image goes out (a message sent before the node has matched the publisher is lost).
 IMAGE_MATCH_S = 2.0
@@ -324,20 +325,32 @@ class FlashRTClient:
             raise TimeoutError(f'{what}: no answer within {timeout:.1f} s; is the node running?')
         return future.result()
 
-    def _call(self, client, request, timeout=None):
-        """Call one service; return its response or raise TimeoutError."""
+    def _call(self, client, request, timeout=None, resend=False):
+        """
+        Call one service; return its response or raise TimeoutError.
+
+        resend (a call that changes nothing): unanswered after RESEND_S, it is sent again.
+        The server drops its reply when its reply writer has not yet discovered this
+        client's reader (a new client's first calls); a call that changes state is never
+        sent twice.
+        """
         refuse_nul(request)
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         if not client.wait_for_service(timeout_sec=timeout):
             raise TimeoutError(f'service {client.srv_name} is not available after '
                                f'{timeout:.1f} s; is the node running?')
-        future = client.call_async(request)
-        try:
-            return self._wait(future, max(0.0, deadline - time.monotonic()), client.srv_name)
-        except TimeoutError:
-            client.remove_pending_request(future)
-            raise
+        while True:
+            future = client.call_async(request)
+            left = max(0.0, deadline - time.monotonic())
+            try:
+                return self._wait(future, min(left, RESEND_S) if resend else left,
+                                  client.srv_name)
+            except TimeoutError:
+                client.remove_pending_request(future)
+                if not resend or time.monotonic() >= deadline:
+                    raise TimeoutError(f'{client.srv_name}: no answer within {timeout:.1f} s; '
+                                       'is the node running?') from None
 
     def wait_until_active(self, timeout=60.0):
         """Wait until the node reports lifecycle state 'active'; return True if it does."""
@@ -357,7 +370,8 @@ class FlashRTClient:
 
     def get_state(self, timeout=None):
         """Return the node's lifecycle state label (e.g. 'active')."""
-        return self._call(self._get_state, GetState.Request(), timeout).current_state.label
+        return self._call(self._get_state, GetState.Request(), timeout,
+                          resend=True).current_state.label
 
     def change_state(self, transition, timeout=None):
         """Trigger a lifecycle transition by name (configure, activate, ...); return success."""
@@ -389,7 +403,7 @@ class FlashRTClient:
 
     def list_capsules(self, tier='', timeout=None):
         """Return the ListCapsules response (capsules of `tier`, or all)."""
-        return self._call(self._list, ListCapsules.Request(tier=tier), timeout)
+        return self._call(self._list, ListCapsules.Request(tier=tier), timeout, resend=True)
 
     def delete_capsule(self, name, timeout=None):
         """Delete capsule `name`; return the DeleteCapsule response."""
@@ -397,7 +411,7 @@ class FlashRTClient:
 
     def state_digest(self, timeout=None):
         """Return the sha256 hex digest of the node's live state (RuntimeError if refused)."""
-        response = self._call(self._digest, Trigger.Request(), timeout)
+        response = self._call(self._digest, Trigger.Request(), timeout, resend=True)
         if not response.success:
             raise RuntimeError(response.message)
         return response.message
