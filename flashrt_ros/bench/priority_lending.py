@@ -44,8 +44,12 @@ def _generations(rt, turns):
         done.set()
 
 
-def _interrupts(rt, turns, count, priority, lend_after_s, samples, refused):
-    """Preempt `count` turns under SCHED_FIFO, lending on even ones; fill `samples`."""
+def _interrupts(rt, turns, count, priority, lend_after_s, against_s, samples, refused):
+    """
+    Preempt `count` turns under SCHED_FIFO; fill `samples`.
+
+    Even ones lend after lend_after_s ("on"), odd ones after against_s (None: never, "off").
+    """
     try:
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
     except OSError as exc:
@@ -53,7 +57,7 @@ def _interrupts(rt, turns, count, priority, lend_after_s, samples, refused):
         return
     for i in range(count):
         lend = i % 2 == 0
-        rt.writer.lend_after_s = lend_after_s if lend else None
+        rt.writer.lend_after_s = lend_after_s if lend else against_s
         done = threading.Event()
         turns.put(done)
         time.sleep(random.uniform(0.005, 0.02))  # into the turn
@@ -76,6 +80,8 @@ def main():
     p.add_argument('--lend-after-ms', type=float, default=LEND_AFTER_S * 1e3,
                    help='WriterSlot.lend_after_s of the interrupts with lending (default '
                         '%(default)s)')
+    p.add_argument('--against-ms', type=float, default=None,
+                   help='the other half lends after this many ms instead of never ("off")')
     args = p.parse_args()
     torch.set_num_threads(1)
     sys.setswitchinterval(SWITCH_INTERVAL_DECODING_S)  # as the node's while a turn decodes
@@ -89,8 +95,8 @@ def main():
     samples, refused = {True: [], False: []}, []
     try:
         control = threading.Thread(target=_interrupts, args=(
-            rt, turns, args.interrupts, args.priority, args.lend_after_ms / 1e3, samples,
-            refused))
+            rt, turns, args.interrupts, args.priority, args.lend_after_ms / 1e3,
+            None if args.against_ms is None else args.against_ms / 1e3, samples, refused))
         control.start()
         control.join()
     finally:
