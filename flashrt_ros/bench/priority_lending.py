@@ -10,8 +10,9 @@ capsule with preempt=True a few milliseconds into each turn. Interrupts alternat
 lending on (the default) and off (WriterSlot.lend_after_s None), so both see the same
 machine; --busy-cores unrelated processes at normal priority keep cores busy meanwhile.
 Prints median, p90, p99 and max of each stage (ms after the preemption is armed) and the
-off / on ratios. Needs the right to use SCHED_FIFO (root, CAP_SYS_NICE or an rtprio limit:
-docs/setup.md).
+off / on ratios. --polls alternates the decode step's last two polls (after its layers,
+before the head; after its feed, before sampling) on and off instead, lending on both.
+Needs the right to use SCHED_FIFO (root, CAP_SYS_NICE or an rtprio limit: docs/setup.md).
 """
 
 import argparse
@@ -24,6 +25,9 @@ import threading
 import time
 
 from flashrt_ros.runtime import Runtime, RuntimeConfig
+from flashrt_ros.runtime.models import cpu_step
+from flashrt_ros.runtime.modes.lm import generation
+from flashrt_ros.runtime.preemption import meet
 from flashrt_ros.runtime.writer import LEND_AFTER_S
 from flashrt_ros.session.turns import SWITCH_INTERVAL_DECODING_S
 import numpy as np
@@ -36,19 +40,20 @@ STAGES = ('step_left', 'copied', 'returned')
 
 
 def _generations(rt, turns):
-    """Decode one turn per event put on `turns` (None ends), as the node's thread does."""
+    """Decode one turn per (first, done) put on `turns` (None ends), as the node's thread."""
     os.setpriority(os.PRIO_PROCESS, 0, -10)
-    while (done := turns.get()) is not None:
+    while (events := turns.get()) is not None:
+        first, done = events
         for _ in rt.generate(prompt=PROMPT, max_new_tokens=400, stop=(), eos=False):
-            pass
+            first.set()
         done.set()
 
 
-def _interrupts(rt, turns, count, priority, lend_after_s, against_s, samples, refused):
+def _interrupts(rt, turns, count, priority, setup, decoding, samples, refused):
     """
-    Preempt `count` turns under SCHED_FIFO; fill `samples`.
+    Preempt `count` turns under SCHED_FIFO, setup(on) alternating; fill `samples`.
 
-    Even ones lend after lend_after_s ("on"), odd ones after against_s (None: never, "off").
+    decoding: a few ms after the turn's first token (as fig5), else after its start.
     """
     try:
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
@@ -57,16 +62,34 @@ def _interrupts(rt, turns, count, priority, lend_after_s, against_s, samples, re
         return
     for i in range(count):
         lend = i % 2 == 0
-        rt.writer.lend_after_s = lend_after_s if lend else against_s
-        done = threading.Event()
-        turns.put(done)
-        time.sleep(random.uniform(0.005, 0.02))  # into the turn
+        setup(lend)
+        first, done = threading.Event(), threading.Event()
+        turns.put((first, done))
+        if decoding:
+            first.wait(30.0)
+            time.sleep(random.uniform(0.0, 0.01))
+        else:
+            time.sleep(random.uniform(0.005, 0.02))  # into the turn, its prompt included
         stages = {}
         rt.restore('home', preempt=True, stages=stages)
         stages['returned'] = time.time()
         assert done.wait(30.0), 'the preempted turn did not end'
         if 'copied' in stages:
             samples[lend].append([(stages[s] - stages['armed']) * 1e3 for s in STAGES])
+
+
+def _setup(rt, args):
+    """Return setup(on): how an interrupt of the "on" or the "off" half runs."""
+    after = args.lend_after_ms / 1e3
+    against = None if args.against_ms is None else args.against_ms / 1e3
+
+    def lending(on):
+        rt.writer.lend_after_s = after if on else against
+
+    def polls(on):
+        rt.writer.lend_after_s = after
+        cpu_step.meet = generation.meet = meet if on else (lambda: None)
+    return polls if args.polls else lending
 
 
 def main():
@@ -82,6 +105,11 @@ def main():
                         '%(default)s)')
     p.add_argument('--against-ms', type=float, default=None,
                    help='the other half lends after this many ms instead of never ("off")')
+    p.add_argument('--decoding', action='store_true',
+                   help="interrupt 0-10 ms after a turn's first token (as fig5), not 5-20 "
+                        'ms after its start')
+    p.add_argument('--polls', action='store_true',
+                   help="alternate the step's last two polls on and off instead of lending")
     args = p.parse_args()
     torch.set_num_threads(1)
     sys.setswitchinterval(SWITCH_INTERVAL_DECODING_S)  # as the node's while a turn decodes
@@ -95,8 +123,8 @@ def main():
     samples, refused = {True: [], False: []}, []
     try:
         control = threading.Thread(target=_interrupts, args=(
-            rt, turns, args.interrupts, args.priority, args.lend_after_ms / 1e3,
-            None if args.against_ms is None else args.against_ms / 1e3, samples, refused))
+            rt, turns, args.interrupts, args.priority, _setup(rt, args), args.decoding,
+            samples, refused))
         control.start()
         control.join()
     finally:

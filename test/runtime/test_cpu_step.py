@@ -174,6 +174,30 @@ def test_a_preemption_arriving_mid_step_is_met_between_layers(make_runtime):
     assert preemption.ARMED.value == 0
 
 
+def test_a_preemption_armed_in_the_last_layer_is_met_before_the_head(make_runtime):
+    """After the layers the step polls once more (meet()): the head does not run."""
+    rt = make_runtime('builtin:tiny-hybrid')
+    rt.prefill(PROMPT, raw=True)
+    cs = rt.adapter.cpu_step
+    logits, _ = cs.forward([5], rt.position)
+    before = logits.clone()
+    met = []
+
+    def check(module, args):  # a preemption's check, armed after every layer's poll
+        met.append(module)
+        raise StepAborted()
+
+    preemption.arm(1, check)  # no global hook: the layer polls find nothing to meet
+    try:
+        with pytest.raises(StepAborted):
+            cs.forward([6], rt.position + 1)
+    finally:
+        preemption.arm(-1, check)
+    assert met == [None]  # met once, by meet() after the last layer
+    assert logits.equal(before)  # the head did not write this step's logits
+    assert preemption.ARMED.value == 0
+
+
 def test_a_real_preemption_ends_a_compiled_turn(make_runtime):
     rt = make_runtime('builtin:tiny-hybrid', max_seq_len=2048)
     rt.prefill(PROMPT, raw=True)

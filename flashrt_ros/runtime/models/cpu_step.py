@@ -42,7 +42,7 @@ import torch
 from torch.nn.modules import module as torch_module
 
 from ..inference import inference
-from ..preemption import ARMED
+from ..preemption import ARMED, meet
 from ..state.memory import HUGE_PAGE, huge_page_memory
 
 SOURCE = Path(__file__).with_name('cpu_step.c')
@@ -367,6 +367,7 @@ class _Stack:
                     hook(self.modules[at], ())
             at = lib.fr_layers(self.array, at, count, h, tokens, pos0, saves, nthreads,
                                _ARMED)
+        meet()  # armed during the last layer: the head and the rest of the step are not run
 
     def keep_prefix(self, views: list[tuple], used: int, tokens: int) -> None:
         """

@@ -26,7 +26,7 @@ from typing import Iterator, Sequence
 import torch
 
 from ...errors import FlashRTError, InvalidRequestError
-from ...preemption import guarded_forward, StepAborted
+from ...preemption import guarded_forward, meet, StepAborted
 
 STOP_REASONS = ('max_tokens', 'eos', 'stop_string', 'interrupted', 'max_seq_len', 'error')
 
@@ -270,6 +270,7 @@ class Generation:
                 if cursor.pending is not None:
                     with rt.writer.abortable():
                         _feed(rt, cursor.pending)
+                        meet()  # the step's last poll: only sampling and emitting follow
                     cursor.pending = None
                 with guarded_forward(rt):  # e.g. NaN logits make sampling raise
                     token = rt.engine.sample(s.temperature, s.top_k, s.top_p, rt.generator)
