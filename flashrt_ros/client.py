@@ -50,6 +50,7 @@ from unique_identifier_msgs.msg import UUID
 # only a lost message (a full queue) keeps it away.
 FINAL_CHUNK_GRACE_S = 0.5
 RESEND_S = 1.0  # a call that changes nothing, unanswered this long, is sent again (_call)
+RESENDS = 2
 # How long a camera's publisher, made at its first image, waits for a subscriber before
 # that image goes out (a message sent before the node has matched the publisher is lost).
 IMAGE_MATCH_S = 2.0
@@ -96,7 +97,7 @@ class GoalFeedback:
     rclpy's ActionClient forgets a goal's feedback callback as soon as its result arrives,
     and feedback and result travel on different channels: a chunk sent before the result
     but taken after it would be dropped. Here a goal's callback lives from before the goal
-    is sent until its run ends it.
+    is sent until its final chunk, or until its run ends it (a final chunk lost).
     """
 
     def __init__(self, node, name):
@@ -120,9 +121,12 @@ class GoalFeedback:
 
     def _take(self, message):
         with self._lock:
-            callback = self._callbacks.get(bytes(message.goal_id.uuid))
+            goal = bytes(message.goal_id.uuid)
+            callback = self._callbacks.get(goal)
             if callback is not None:
                 callback(message)
+                if message.feedback.chunk.final:  # the goal's last chunk
+                    del self._callbacks[goal]
 
 
 class GoalRun:
@@ -159,8 +163,8 @@ class GoalRun:
         # Feedback and result travel on different channels: the chunks still on their way
         # come (GoalFeedback); a final chunk that was lost is rebuilt from the result, so
         # `chunks` (and the feedback callback) always end with final=True.
-        deadline = time.monotonic() + FINAL_CHUNK_GRACE_S
-        while self.chunks and not self.chunks[-1].final and time.monotonic() < deadline:
+        deadline = time.monotonic() + FINAL_CHUNK_GRACE_S  # the node sends one per goal
+        while not (self.chunks and self.chunks[-1].final) and time.monotonic() < deadline:
             time.sleep(0.002)
         self._end_feedback()
         if not self.chunks or not self.chunks[-1].final:
@@ -275,6 +279,7 @@ class FlashRTClient:
         self._instruction_pub = n.create_publisher(String, f'{self.base}/instruction',
                                                    INSTRUCTION_QOS)
 
+        self._answered = set()  # service clients that got an answer (_call resends no more)
         self._feedback = queue.SimpleQueue()  # (feedback_callback, chunk), in arrival order
         self._feedback_thread = threading.Thread(target=self._deliver_feedback,
                                                  name='flashrt-client-feedback', daemon=True)
@@ -329,10 +334,10 @@ class FlashRTClient:
         """
         Call one service; return its response or raise TimeoutError.
 
-        resend (a call that changes nothing): unanswered after RESEND_S, it is sent again.
-        The server drops its reply when its reply writer has not yet discovered this
-        client's reader (a new client's first calls); a call that changes state is never
-        sent twice.
+        resend (a call that changes nothing): until the service has answered this client
+        once, a call unanswered after RESEND_S is sent again, up to RESENDS times. The server
+        drops its reply when its reply writer has not yet discovered this client's reader (a
+        new client's first calls); a call that changes state is never sent twice.
         """
         refuse_nul(request)
         timeout = self.timeout if timeout is None else timeout
@@ -340,17 +345,22 @@ class FlashRTClient:
         if not client.wait_for_service(timeout_sec=timeout):
             raise TimeoutError(f'service {client.srv_name} is not available after '
                                f'{timeout:.1f} s; is the node running?')
+        sends = 1 + (RESENDS if resend and client not in self._answered else 0)
         while True:
+            sends -= 1
             future = client.call_async(request)
             left = max(0.0, deadline - time.monotonic())
             try:
-                return self._wait(future, min(left, RESEND_S) if resend else left,
-                                  client.srv_name)
+                response = self._wait(future, min(left, RESEND_S) if sends else left,
+                                      client.srv_name)
             except TimeoutError:
                 client.remove_pending_request(future)
-                if not resend or time.monotonic() >= deadline:
+                if not sends or time.monotonic() >= deadline:
                     raise TimeoutError(f'{client.srv_name}: no answer within {timeout:.1f} s; '
                                        'is the node running?') from None
+                continue
+            self._answered.add(client)
+            return response
 
     def wait_until_active(self, timeout=60.0):
         """Wait until the node reports lifecycle state 'active'; return True if it does."""

@@ -105,16 +105,15 @@ def node_in_process(name, params, prepare=None):
     prepare(node), if given, runs before configure: a test hooks the node's seams there.
     """
     from flashrt_ros.node import FlashRTNode
-    from flashrt_ros.spin import spin_until_shutdown
+    from flashrt_ros.spin import PoolExecutor, spin_until_shutdown
     import rclpy
-    from rclpy.executors import MultiThreadedExecutor
     from rclpy.parameter import Parameter
     from rclpy.signals import SignalHandlerOptions
     context = rclpy.Context()
     rclpy.init(context=context, signal_handler_options=SignalHandlerOptions.NO)
     node = FlashRTNode(context=context, cli_args=['--ros-args', '-r', f'__node:={name}'],
                        parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
-    executor = MultiThreadedExecutor(num_threads=6, context=context)
+    executor = PoolExecutor(num_threads=6, context=context)  # as node/main.py
     executor.add_node(node)
     stopping = threading.Event()
     spinner = threading.Thread(target=spin_until_shutdown, daemon=True,

@@ -423,7 +423,7 @@ def test_client_callbacks_one_at_a_time_in_order(client, at_home):
         assert most[kind] == 1, f'{kind}: {most[kind]} callbacks at once'
 
 
-def test_every_feedback_chunk_comes_though_the_result_came_first(client, at_home):
+def test_every_feedback_chunk_arrives_even_when_the_result_comes_first(client, at_home):
     """
     No feedback chunk is dropped or rebuilt from the result (a rebuilt one has no stamp).
 

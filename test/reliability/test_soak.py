@@ -15,7 +15,7 @@ ROS_CYCLES = 2_000
 # leak (one 69 KB capsule leaked per cycle would be 680 MB over the runtime soak).
 RSS_TOLERANCE_KB = 8 * 1024
 ROS_RSS_TOLERANCE_KB = 16 * 1024  # rclpy/DDS buffers settle more slowly than the runtime
-# The node's MultiThreadedExecutor (6 workers) starts its pool threads lazily, one more each
+# The node's executor (6 workers, spin.PoolExecutor) starts its pool threads lazily, one more each
 # time callbacks overlap: up to 6 may appear after warm-up; a thread leaked per call would
 # be hundreds.
 ROS_THREADS_TOLERANCE = 6

@@ -6,10 +6,11 @@ from flashrt_ros.runtime.models import pieces
 import pytest
 from runtime_harness import PROMPT
 
-# A first prompt (a causal attention without a mask, past one key block; the rule from a
-# zero state) and a second one on top of it (the cache's mask, the rule from the state the
-# first left); neither a multiple of a piece.
-FIRST = [(i * 7) % 200 + 3 for i in range(700)]
+# A first prompt (a causal attention without a mask, past one key block and long enough
+# for the kernel's larger query tiles; the rule from a zero state) and a second one on top
+# of it (the cache's mask, the rule from the state the first left); neither a multiple of a
+# piece.
+FIRST = [(i * 7) % 200 + 3 for i in range(900)]
 SECOND = [(i * 11) % 200 + 3 for i in range(201)]
 
 
@@ -33,7 +34,7 @@ def test_a_prefill_in_pieces_gives_the_bytes_of_whole_operations(
         make_runtime, meets, model, dtype):
     digests = {}
     for on in (False, True):
-        rt = make_runtime(model, dtype=dtype, max_seq_len=1024)
+        rt = make_runtime(model, dtype=dtype, max_seq_len=2048)
         rt.engine.prefill_pieces = on
         meets.clear()
         rt.prefill(FIRST, raw=True)

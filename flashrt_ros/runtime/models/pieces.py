@@ -125,33 +125,47 @@ def _wrap_attention() -> None:
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                   is_causal=None, **kwargs):
-        if (not _in_pieces(query, 2) or kwargs.get('position_bias') is not None
-                or dropout):
+        if (not _in_pieces(query, 2) or dropout or kwargs.get('position_bias') is not None
+                or kwargs.get('softcap') is not None or kwargs.get('output_attentions')):
             return whole(module, query, key, value, attention_mask, dropout, scaling,
                          is_causal, **kwargs)
-        rows, mask = query.shape[2], attention_mask
-        causal = is_causal if is_causal is not None else getattr(module, 'is_causal', True)
-        keys = key.shape[2]
-        if mask is None and causal:
-            # What the whole call does: keys past the rows cut off, row i sees keys <= i.
-            keys = rows
-            at = torch.arange(rows, device=query.device)
-            mask = (at[None, :] <= at[:, None])[None, None]  # [1, 1, rows, rows]
-        # No piece of one row: the whole call would not take that row alone (pack_gqa).
-        starts = [s for s in range(0, rows, PIECE_ROWS) if rows - s > 1 or s == 0]
-        outs = []
-        for start, stop in zip(starts, starts[1:] + [rows]):
-            if start:
-                meet()
-            # A causal piece sees no key past its last row: those key blocks are left out.
-            seen = keys if not (causal and attention_mask is None) else min(
-                keys, -(-stop // KEY_BLOCK) * KEY_BLOCK)
-            part = None if mask is None else mask[..., start:stop, :seen]
-            out, _ = whole(module, query[:, :, start:stop], key[:, :, :seen],
-                           value[:, :, :seen], part, dropout, scaling, False, **kwargs)
-            outs.append(out)
-        return torch.cat(outs, dim=1), None  # [B, rows, heads, dim]
+        return _attention_in_pieces(module, query, key, value, attention_mask, scaling,
+                                    is_causal), None
 
     attention.pieces = True
     attention.flashrt_kernel = whole
     AttentionInterface.register('sdpa', attention)
+
+
+def _attention_in_pieces(module, query, key, value, mask, scaling, is_causal):
+    """
+    Run transformers' sdpa attention PIECE_ROWS query rows at a time; return [B, T, H, D].
+
+    As the whole call does: a causal attention without a mask sees keys up to its own row
+    (the keys past the rows cut off); grouped key/value heads are repeated, here once for
+    every piece.
+    """
+    rows, keys = query.shape[2], key.shape[2]
+    causal = mask is None and (
+        is_causal if is_causal is not None else getattr(module, 'is_causal', True))
+    if causal:
+        keys = rows
+        at = torch.arange(rows, device=query.device)
+        mask = (at[None, :] <= at[:, None])[None, None]  # [1, 1, rows, rows]
+    groups = getattr(module, 'num_key_value_groups', 1)
+    if groups > 1:
+        key, value = (x.repeat_interleave(groups, dim=1) for x in (key, value))
+    # No piece of one row: a lone query row can take another kernel path than a block.
+    starts = [s for s in range(0, rows, PIECE_ROWS) if rows - s > 1 or s == 0]
+    outs = []
+    for start, stop in zip(starts, starts[1:] + [rows]):
+        if start:
+            meet()
+        # A causal piece sees no key past its last row: those key blocks are left out.
+        seen = min(keys, -(-stop // KEY_BLOCK) * KEY_BLOCK) if causal else keys
+        part = None if mask is None else (
+            mask[..., :seen] if mask.shape[-2] == 1 else mask[..., start:stop, :seen])
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, start:stop], key[:, :, :seen], value[:, :, :seen], attn_mask=part,
+            scale=scaling))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()

@@ -174,6 +174,8 @@ class Speculator:
         a, rt = self.adapter, self.rt
         token, hidden = pending, a.hidden.view(1, -1)
         drafts = []
+        # The head writes rows position..position + k - 1: an abandoned draft's are zeroed.
+        rt.cursor.extent = max(rt.cursor.extent, position + k)
         for j in range(k):
             with rt.writer.abortable(), guarded_forward(rt):
                 token, hidden = a.draft(token, hidden, position + j,  # hidden [1, H]
@@ -278,6 +280,7 @@ class Speculator:
                 return self._sequential([], accept), 0
         else:
             dev.ids[0, 0].fill_(pending)
+            cursor.extent = max(cursor.extent, position + k)  # as _draft
             with rt.writer.abortable(), guarded_forward(rt):
                 dev.run('draft', k, position)
             self._drafted(position, k)
