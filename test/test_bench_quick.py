@@ -115,9 +115,9 @@ def test_bench_interrupts_in_policy_and_speech_mode_over_ros(tmp_path):
     _, data = _bench(tmp_path, 'modes', 'fig5modes', ['128'])
     fig = data['figures']['fig5modes']
     assert 'error' not in fig, fig.get('error')
-    assert fig['exit_codes'] == {'policy': 0, 'speech': 0}
+    assert fig['exit_codes'] == {'policy': 0, 'speech': 0, 'prompt': 0}
     rows = {r['mode']: r for r in fig['rows']}
-    assert set(rows) == {'policy', 'speech'}
+    assert set(rows) == {'policy', 'speech', 'prompt'}
     for mode, row in rows.items():
         assert row['missed'] == 0, mode
         assert row['received_to_restored']['n'] == row['rounds'], mode

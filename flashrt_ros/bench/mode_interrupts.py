@@ -1,7 +1,7 @@
 """
-Figure fig5modes: interrupts through ROS during a policy's control step and a long audio chunk.
+Figure fig5modes: interrupts through ROS during a control step, an audio chunk and a prompt.
 
-Two node processes with the robot settings (through_ros.RT). Policy: `builtin:act-arm`
+Three node processes with the robot settings (through_ros.RT). Policy: `builtin:act-arm`
 (a camera and two joints, one control step per observation); every round publishes one
 observation and, a random time into its control step, an Interrupt(RESTORE home). Speech:
 `builtin:tiny-stt`; every round publishes one AudioChunk of AUDIO_S seconds and, AUDIO_AT_S
@@ -9,7 +9,11 @@ after it, an Interrupt(RESTORE home), which cuts the chunk at its next frame. Th
 event gives received -> restored and its stages; the bounds are those of an interrupt
 during decoding plus one control step or frame (its median on /diagnostics). A policy's
 step is abandoned at its next module call, so its wait is the longest single operation
-(a convolution); a speech chunk stops at its next frame.
+(a convolution); a speech chunk stops at its next frame. Prompt: the default model; every
+round publishes a prompt of PROMPT_CHARS characters (one token each) on ~/prompt and, a
+random time into its prefill, an Interrupt(RESTORE home); the prefill stops within a piece
+of its longest operations (models/pieces.py). No bound is set for it: "step" is the time to
+the first token (client side), shown beside it.
 """
 
 import os
@@ -23,12 +27,16 @@ from ..node_process import NodeProcess
 
 AUDIO_S = 300.0  # the long chunk: five minutes
 AUDIO_AT_S = 1.5  # the interrupt follows the chunk's publication by this long
-STEP_KEYS = {'policy': 'control_step_ms', 'speech': 'frame_step_ms'}
+PROMPT_CHARS = 3000  # the long prompt: 3,000 tokens of the default model's byte vocabulary
+PROMPT_TEXT = 'Move the red cup onto the blue tray, then wait by the door. '
+STEP_KEYS = {'policy': 'control_step_ms', 'speech': 'frame_step_ms'}  # on /diagnostics
 DIAGNOSTICS_WAIT_S = 5.0  # for one /diagnostics message with the step time (a few periods)
 MODES = {
     'policy': {'model': 'builtin:act-arm', 'mode': 'policy', 'joint_names': ['shoulder', 'elbow']},
     'speech': {'model': 'builtin:tiny-stt', 'mode': 'speech'},
+    'prompt': {'model': 'default', 'mode': 'lm', 'max_new_tokens': 4},
 }
+INPUTS = {'policy': 'observation', 'speech': 'audio', 'prompt': ''}
 
 
 def _params(mode, device, capsule_dir):
@@ -44,16 +52,19 @@ class _Node:
         from flashrt_ros.qos import DIAGNOSTICS_QOS
 
         self.mode, self.client = mode, client
-        self.events, self.actions = _Inbox(), _Inbox()
-        self.step_ms = []  # what /diagnostics says, once a period
-        self.subs = (client.subscribe_events(self.events.put),
-                     client.subscribe_actions(self.actions.put))
+        self.events, self.actions, self.tokens = _Inbox(), _Inbox(), _Inbox()
+        self.step_ms = []  # what /diagnostics says, once a period (prompt: time to a token)
+        self.subs = (client.subscribe_events(self.events.put),) + {
+            'policy': (client.subscribe_actions(self.actions.put),),
+            'prompt': (client.subscribe_tokens(self.tokens.put),)}.get(mode, ())
         client.node.create_subscription(DiagnosticArray, '/diagnostics', self._diagnostics,
                                         DIAGNOSTICS_QOS)
         self.samples = {}
         self.rounds = self.missed = self.abandoned = 0
 
     def _diagnostics(self, msg):
+        if self.mode not in STEP_KEYS:
+            return
         for status in msg.status:
             if self.client.base.strip('/') in status.name:
                 value = float({v.key: v.value for v in status.values}.get(
@@ -90,7 +101,8 @@ class _Node:
         # control step or frame.
         extra = step['median'] or 0.0
         got = out.get('received_to_restored', _dist([]))
-        bounds = {'median': 0.5 + extra, 'p99': 1.0 + extra, 'max': 3.0 + extra}
+        bounds = ({'median': 0.5 + extra, 'p99': 1.0 + extra, 'max': 3.0 + extra}
+                  if self.mode in STEP_KEYS else {})
         out.update({'mode': self.mode, 'rounds': self.rounds, 'step_ms': step,
                     'missed': self.missed,
                     'cut_or_abandoned': self.abandoned, 'bounds_ms': bounds,
@@ -153,20 +165,52 @@ def _speech_rounds(node, rounds, seconds, at, log):
     node.abandoned = sum(cut)
 
 
+def _prompt_rounds(node, rounds, log):
+    """Publish a long prompt, then RESTORE home a random time into its prefill."""
+    client = node.client
+    text = (PROMPT_TEXT * (PROMPT_CHARS // len(PROMPT_TEXT) + 1))[:PROMPT_CHARS]
+    trips = []
+    for _ in range(3):  # the time to the first token, where the prefill ends
+        mark, t0 = len(node.tokens.items), time.perf_counter()
+        client.publish_prompt(text)
+        if node.tokens.wait(lambda m: True, mark, CALL_TIMEOUT_S) is None:
+            raise RuntimeError('the prompt node sent no token for a prompt')
+        trips.append(time.perf_counter() - t0)
+        node.interrupt_after(0.0)  # ends the turn: home again
+    trip = float(np.median(trips))
+    node.samples.clear()
+    node.step_ms = [t * 1e3 for t in trips]
+    node.rounds = rounds
+    for i in range(rounds):
+        mark = len(node.tokens.items)
+        client.publish_prompt(text)
+        msg = node.interrupt_after(random.uniform(0.2, 0.8) * trip)
+        final = node.tokens.wait(lambda m: m.final, mark, CALL_TIMEOUT_S)
+        chunks = [m for _, m in node.tokens.items[mark:]]
+        # Cut in its prefill: the turn ended without a token.
+        node.abandoned += (msg is not None and final is not None
+                           and not any(m.token_ids for m in chunks))
+        if i % 50 == 49:
+            log(f'fig5modes prompt {i + 1}/{rounds}')
+    return trip
+
+
 def fig5_mode_interrupts(plan, device, log):
     """Interrupt -> restored during a policy's control step and during a long audio chunk."""
     from .through_ros import ros_missing
 
     missing = ros_missing()
     if missing:
-        return {'title': 'Interrupts in policy and speech mode', 'skipped': [missing]}
+        return {'title': 'Interrupts in policy and speech mode and during a prompt',
+                'skipped': [missing]}
     from flashrt_ros.client import FlashRTClient, poll
 
     domain = _isolate(log)
     workdir = os.path.join(plan.workdir, 'ros-modes')
     rounds = max(2, plan.interrupts // 10)
     seconds, at = (AUDIO_S, AUDIO_AT_S) if plan.interrupts >= 100 else (20.0, 0.3)
-    result = {'title': 'Interrupts in policy and speech mode (robot settings)',
+    result = {'title': 'Interrupts in policy and speech mode and during a prompt (robot '
+                       'settings)',
               'ros_domain_id': domain, 'audio_s': seconds,
               'interrupt_after_audio_s': at, 'rows': []}
     for mode in MODES:
@@ -180,12 +224,15 @@ def fig5_mode_interrupts(plan, device, log):
             if not client.wait_until_active(timeout=180.0):
                 raise RuntimeError(f'the {mode} node did not become active; log:\n'
                                    f'{proc.log()[-2000:]}')
-            client.wait_for_subscribers(10.0, {'policy': 'observation', 'speech': 'audio'}[mode])
+            client.wait_for_subscribers(10.0, INPUTS[mode])
             node = _Node(mode, client)
             if not client.wait_for_publishers(*node.subs):
-                raise RuntimeError(f'~/events or ~/actions of the {mode} node did not match')
+                raise RuntimeError(f'~/events, ~/actions or ~/tokens of the {mode} node did '
+                                   'not match')
             if mode == 'policy':
                 result['policy_round_trip_ms'] = _policy_rounds(node, rounds, log) * 1e3
+            elif mode == 'prompt':
+                result['prompt_first_token_ms'] = _prompt_rounds(node, rounds, log) * 1e3
             else:
                 _speech_rounds(node, max(2, rounds // 4), seconds, at, log)  # 2 s each
             poll(lambda: node.step_ms, DIAGNOSTICS_WAIT_S)  # a short run may end before one

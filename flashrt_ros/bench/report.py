@@ -169,7 +169,9 @@ def _fig5modes(f):
     rows = []
     for r in f['rows']:
         step = r['step_ms']
-        rows.append([r['mode'], 'control step / frame (diagnostics)', _num(step['median'], '.3f'),
+        what = ('time to the first token (client)' if r['mode'] == 'prompt'
+                else 'control step / frame (diagnostics)')
+        rows.append([r['mode'], what, _num(step['median'], '.3f'),
                      _num(step['p90'], '.3f'), _num(step['p99'], '.3f'), _num(step['max'], '.3f'),
                      step['n']])
         for key in MODE_STAGES:
@@ -276,7 +278,8 @@ def targets(results):
                                      f'({label})', f'{_num(d[q], ".3f")} ms',
                                      _yes(held[f'{kind}_{key}_to_restored_{q}_le_{limit}_ms'])])
     for r in figs.get('fig5modes', {}).get('rows', []):
-        during = 'during a control step' if r['mode'] == 'policy' else 'during a long audio chunk'
+        during = {'policy': 'during a control step', 'speech': 'during a long audio chunk',
+                  'prompt': "during a long prompt's prefill"}[r['mode']]
         for q, limit in r['bounds_ms'].items():
             d = r.get('received_to_restored', {})
             rows.append(['fig5modes', f'{r["mode"]}: interrupt received -> restored {q} <= '
