@@ -17,6 +17,8 @@ import time
 
 import numpy as np
 
+from .common import stamp_s
+
 PARAMS = {'model': 'default', 'token_chunk': 1}
 KINDS = ('rclpy', 'pool')
 QUANTILES = (50, 90, 99, 100)
@@ -36,8 +38,7 @@ def _client(pool):
 
 
 def _lag_ms(chunk):
-    stamp = chunk.header.stamp.sec + chunk.header.stamp.nanosec * 1e-9
-    return (time.time() - stamp) * 1e3
+    return (time.time() - stamp_s(chunk.header)) * 1e3
 
 
 def _block(k, args, lag, stats, node):

@@ -18,6 +18,11 @@ PAPER = {
 }
 
 
+def stamp_s(header):
+    """Return a std_msgs/Header's stamp in seconds (the wall clock of the node's host)."""
+    return header.stamp.sec + header.stamp.nanosec * 1e-9
+
+
 def busy_processes(n):
     """Start `n` unrelated processes that keep a core busy each (a Python loop, nice 0)."""
     return [subprocess.Popen([sys.executable, '-c', 'while True: pass']) for _ in range(n)]

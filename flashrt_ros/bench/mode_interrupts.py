@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from .common import stamp_s
 from .through_ros import _dist, _Inbox, _isolate, CALL_TIMEOUT_S, HOME, RT
 from ..node_process import NodeProcess
 
@@ -85,7 +86,7 @@ class _Node:
             self.missed += 1
             return None
         msg = found[1]
-        restored = msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9
+        restored = stamp_s(msg.header)
         out = self.samples
         out.setdefault('received_to_restored', []).append(msg.latency_ms)
         out.setdefault('published_to_restored', []).append((restored - published) * 1e3)
@@ -196,7 +197,7 @@ def _prompt_rounds(node, rounds, log):
 
 
 def fig5_mode_interrupts(plan, device, log):
-    """Interrupt -> restored during a policy's control step and during a long audio chunk."""
+    """Interrupt -> restored during a control step, a long audio chunk and a long prompt."""
     from .through_ros import ros_missing
 
     missing = ros_missing()

@@ -131,8 +131,7 @@ def _fig5_stages(f):
 
 def _fig5_tail(f):
     """Per control executor and kind: each stage's median share, slowest 1% / all."""
-    shares = ('published_to_received', 'callback', 'checked', 'armed', 'step_left', 'copied',
-              'restored')
+    shares = FIG5_STAGES[:FIG5_STAGES.index('restored') + 1]  # through_ros.SHARES
     header = ['executor', 'kind', 'n', 'from ms'] + [s.replace('_', ' ') for s in shares] + [
         'largest share (times)']
     rows = []

@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from .common import ratio, summarize
+from .common import ratio, stamp_s, summarize
 from .trigger_server import NODE_NAME as TRIGGER_NODE
 from ..node_process import ManagedProcess, NodeProcess
 
@@ -261,8 +261,7 @@ def _step_seconds(chunks):
     by_turn = {}
     for _, chunk in chunks:
         if not chunk.final and len(chunk.token_ids) == 1:
-            stamp = chunk.header.stamp.sec + chunk.header.stamp.nanosec * 1e-9
-            by_turn.setdefault(chunk.turn_id, {})[chunk.index] = stamp
+            by_turn.setdefault(chunk.turn_id, {})[chunk.index] = stamp_s(chunk.header)
     steps = []
     for stamps in by_turn.values():
         steps += [stamps[i] - stamps[i - 1] for i in stamps if i - 1 in stamps]
@@ -367,7 +366,7 @@ class _Target:
             return self._miss('final_chunk', i)
         arrived, msg = event
         # The event is stamped when the state is restored; both clocks are this host's.
-        restored = msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9 - published
+        restored = stamp_s(msg.header) - published
         out = self.samples[kind]
         out['published_to_restored'].append(restored * 1e3)
         out['received_to_restored'].append(msg.latency_ms)

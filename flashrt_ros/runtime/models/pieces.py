@@ -139,11 +139,11 @@ def _wrap_attention() -> None:
 
 def _attention_in_pieces(module, query, key, value, mask, scaling, is_causal):
     """
-    Run transformers' sdpa attention PIECE_ROWS query rows at a time; return [B, T, H, D].
+    Run the sdpa attention PIECE_ROWS query rows at a time; return [B, T, H, D].
 
-    As the whole call does: a causal attention without a mask sees keys up to its own row
-    (the keys past the rows cut off); grouped key/value heads are repeated, here once for
-    every piece.
+    As transformers' whole call does: a causal attention without a mask sees keys up to its
+    own row (the keys past the rows cut off); grouped key/value heads are repeated, here
+    once for all the pieces.
     """
     rows, keys = query.shape[2], key.shape[2]
     causal = mask is None and (
