@@ -81,6 +81,32 @@ def test_preempting_restore_abandons_the_step_and_restores_exactly(make_runtime,
     assert greedy(rt, 12) == reference
 
 
+def test_a_preemption_armed_after_the_feed_is_met_before_sampling(make_runtime, monkeypatch):
+    """The decode step polls once more after its feed: no token of that step is handed out."""
+    from flashrt_ros.runtime.modes.lm import generation
+    rt = make_runtime('builtin:tiny-llama')  # no compiled step: this is the poll met
+    rt.prefill(PROMPT)
+    rt.snapshot('home')
+    home = rt.state_digest()
+    gen = rt.generate(max_new_tokens=5, stop=(), eos=False)
+    first = next(gen).token_id
+    threads, feed = [], generation._feed
+
+    def feed_then_arm(rt_, token):
+        feed(rt_, token)  # the whole forward ran: only sampling and emitting are left
+        thread = threading.Thread(target=lambda: rt.restore('home', preempt=True))
+        threads.append(thread)
+        thread.start()
+        while not rt.writer.pending and thread.is_alive():
+            thread.join(0.001)
+    monkeypatch.setattr(generation, '_feed', feed_then_arm)
+    with pytest.raises(StopIteration):
+        next(gen)
+    threads[0].join(30)
+    assert gen.result.token_ids == [first]  # the step's token was not sampled
+    assert rt.state_digest() == home
+
+
 def test_preempting_a_long_prompt_cuts_its_prefill_short(make_runtime):
     rt = make_runtime(max_seq_len=512)
     rt.prefill(PROMPT)
