@@ -261,7 +261,9 @@ class FlashRTClient:
         self._generate = ActionClient(n, Generate, f'{self.base}/generate',
                                       callback_group=MutuallyExclusiveCallbackGroup(),
                                       feedback_sub_qos_profile=FEEDBACK_QOS)
-        self._generate_feedback = GoalFeedback(n, f'{self.base}/generate')
+        # The action's name as rcl resolves it (remappings applied): the feedback topic is
+        # that name's, not the name's as written.
+        self._generate_feedback = GoalFeedback(n, n.resolve_topic_name(f'{self.base}/generate'))
         self._import = ActionClient(n, ImportCapsule, f'{self.base}/import_capsule',
                                     callback_group=MutuallyExclusiveCallbackGroup(),
                                     feedback_sub_qos_profile=FEEDBACK_QOS)

@@ -88,6 +88,35 @@ def test_a_final_chunk_sent_after_the_result_still_reaches_the_callback(server):
         action.destroy()
 
 
+def test_goal_feedback_follows_a_remapped_action_name(server):
+    """A remapping of ~/generate alone also moves the client's own feedback subscription."""
+    def execute(goal_handle):
+        for i, final in ((0, False), (1, False), (2, True)):
+            goal_handle.publish_feedback(Generate.Feedback(chunk=_chunk(i, final, server)))
+        goal_handle.succeed()
+        return Generate.Result(success=True, token_ids=[40, 41], text='xx',
+                               stop_reason='max_tokens')
+
+    action = ActionServer(server, Generate, f'/{NAME}/generate', execute,
+                          feedback_pub_qos_profile=FEEDBACK_QOS)
+    context = Context()
+    rclpy.init(context=context,
+               args=['--ros-args', '-r', f'/elsewhere/generate:=/{NAME}/generate'])
+    client = FlashRTClient('elsewhere', context=context, timeout=10.0)
+    try:
+        subscription = client._generate_feedback.subscription
+        assert subscription.topic_name == f'/{NAME}/generate/_action/feedback'
+        assert client.wait_for_publishers(subscription)
+        chunks = []
+        outcome = client.generate('Go.', feedback_callback=chunks.append, timeout=10.0)
+        assert outcome.result.success
+        assert [c.index for c in chunks] == [0, 1, 2] and chunks[-1].final
+    finally:
+        client.close()
+        action.destroy()
+        rclpy.try_shutdown(context=context)
+
+
 def test_a_query_unanswered_is_sent_again_and_a_change_never(server, monkeypatch):
     """state_digest is sent again after RESEND_S; snapshot waits for its one answer."""
     from flashrt_ros import client as module
