@@ -159,12 +159,17 @@ def run_figure(key, rt, args, plan, log):
 
 def write_plots(results, directory, name, log):
     """Draw the PNGs if matplotlib is installed (a GPU image may lack it); return their paths."""
+    redraw = f'python -m flashrt_ros.bench.plots {name}.json'
     try:
         from .plots import plot_all
     except ImportError as exc:
-        log(f'no plots: {exc} (pip install matplotlib, then redraw them from the JSON)')
+        log(f'no plots: {exc} (pip install matplotlib, then: {redraw})')
         return {}
-    return plot_all(results, directory, name)
+    try:
+        return plot_all(results, directory, name)
+    except Exception as exc:  # noqa: B902 - a plot must not cost the run its JSON
+        log(f'the plots failed: {exc!r}; the JSON is written (redraw: {redraw})')
+        return {}
 
 
 def main(argv=None):

@@ -124,7 +124,7 @@ expected=(env.json "$name.json" "$name.md")
 if "$py" -c 'import matplotlib' 2>/dev/null; then
   for fig in fig1 fig2 fig3 fig4 fig6; do expected+=("plots/$name-$fig.png"); done
 else
-  log "matplotlib is not installed: no plots (redraw them from $name.json elsewhere)"
+  log "matplotlib is not installed: no plots (elsewhere: python -m flashrt_ros.bench.plots $name.json)"
 fi
 for f in "${expected[@]}"; do
   [ -s "$out/$f" ] || { log "missing result file: $f"; failed+=("file:$f"); }

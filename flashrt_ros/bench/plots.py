@@ -1,5 +1,13 @@
-"""PNG plots of the figures (matplotlib, Agg backend: no display needed)."""
+"""
+PNG plots of the figures (matplotlib, Agg backend: no display needed).
 
+    python -m flashrt_ros.bench.plots RESULT.json [--out DIR]
+
+redraws the plots of a bench run from its JSON (e.g. one taken where matplotlib was missing).
+"""
+
+import argparse
+import json
 import os
 
 import matplotlib
@@ -171,7 +179,7 @@ def fig5(f, path, subtitle):
                                    ('single_rt', 'tab:olive'), ('shared', BASELINE))
               for end, style in (('published', '-'), ('received', ':'))]
     for control, key, label, color, style in curves:
-        values = sorted(f['controls'][control].get(key, []))
+        values = sorted(f['controls'].get(control, {}).get(key, []))
         if values:
             bx.plot(values, [(i + 1) / len(values) for i in range(len(values))], color=color,
                     linestyle=style, label=f'{label} -> restored')
@@ -333,3 +341,19 @@ def plot_all(results, directory, name):
                         f'flashrt_ros bench "{name}"')
             paths[key] = PLOTS[key](fig, os.path.join(directory, f'{name}-{key}.png'), subtitle)
     return paths
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description='Redraw the plots of a bench run from its JSON.')
+    p.add_argument('result', help='a NAME.json written by python -m flashrt_ros.bench')
+    p.add_argument('--out', help='where the PNGs go (default: beside the JSON)')
+    args = p.parse_args(argv)
+    with open(args.result) as f:
+        results = json.load(f)
+    out = args.out or os.path.dirname(os.path.abspath(args.result))
+    for key, path in plot_all(results, out, results['name']).items():
+        print(f'{key}: {path}')
+
+
+if __name__ == '__main__':
+    main()
