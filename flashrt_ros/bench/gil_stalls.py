@@ -9,8 +9,10 @@ a CPU or for the interpreter lock. The same probe runs in a process of its own, 
 no interpreter lock: what only the node's probe sees is the lock. Meanwhile turns are
 interrupted every ~15 ms, ~/list_capsules is called at 20 Hz and every token chunk is
 taken, as in fig5. A wake-up later than --threshold-ms dumps every thread's Python stack
-(faulthandler, which needs no lock); the report names the frames that were running. Needs
-the right to use SCHED_FIFO (root, CAP_SYS_NICE or an rtprio limit).
+(faulthandler, which needs no lock); the report names the frames that were running. The
+dumps read the frames of threads that keep running, which now and then crashes the node
+when they come often (a threshold of 1.5-2 ms did on 2 cores; the bench then says so).
+Needs the right to use SCHED_FIFO (root, CAP_SYS_NICE or an rtprio limit).
 """
 
 import argparse
@@ -89,6 +91,18 @@ def _load(seconds, ready):
         lister.close()
 
 
+def _node_ended(node, work):
+    """Say so when the load failed because the node it loads has ended."""
+    code = node.poll()
+    if code is None:
+        return
+    why = (' (a signal: faulthandler reads the stacks of threads that keep running, which '
+           'can crash the process; a higher --threshold-ms dumps less often)'
+           if code < 0 else '')
+    raise RuntimeError(f'the node ended with exit code {code} during the load{why}; its '
+                       f'log and the stacks dumped are in {work}')
+
+
 def _holders(path):
     """Count the innermost frames of the threads that were not waiting, over every dump."""
     counts = collections.Counter()
@@ -153,6 +167,7 @@ def main():
                         '--seconds', str(args.seconds), '--out', own_out], check=True)
         load.join()
         if failed:
+            _node_ended(node, work)
             raise failed[0]
         deadline = time.monotonic() + 30.0
         while not os.path.exists(node_out) and time.monotonic() < deadline:
