@@ -275,8 +275,9 @@ def test_service_call_from_token_callback(client, at_home):
             answers.append(client.restore(HOME))
             answers.append(client.list_capsules())
 
-    outcome = client.generate('Callback.', max_new_tokens=60, feedback_callback=on_chunk,
-                              timeout=30.0)
+    # A turn of LONG tokens: still running when the callback's calls reach the node.
+    outcome = client.generate('Describe the room.', max_new_tokens=LONG,
+                              feedback_callback=on_chunk, timeout=30.0)
     assert outcome.result.success
     assert len(answers) == 3
     assert answers[0].success and not answers[1].success and answers[2].success
