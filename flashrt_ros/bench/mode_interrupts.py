@@ -38,6 +38,7 @@ MODES = {
     'prompt': {'model': 'default', 'mode': 'lm', 'max_new_tokens': 4},
 }
 INPUTS = {'policy': 'observation', 'speech': 'audio', 'prompt': ''}
+FIRST_CHUNK_S = 0.5  # the policy node's first chunk, before its first observation is sent again
 
 
 def _params(mode, device, capsule_dir):
@@ -126,6 +127,17 @@ def _policy_rounds(node, rounds, log):
         client.publish_image('top', task.picture(q).tobytes(), *task.CAMERA, stamp=stamp)
         client.publish_joint_state(task.JOINTS, q, dq, stamp=stamp)
 
+    # Images go best effort: one sent before the node's reader has matched the new publisher
+    # is lost. A robot streams them; here the first observation is sent until a chunk comes.
+    deadline = time.monotonic() + CALL_TIMEOUT_S
+    while True:
+        mark = len(node.actions.items)
+        observe()
+        if node.actions.wait(lambda m: True, mark, FIRST_CHUNK_S) is not None:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError('the policy node sent no ActionChunk for an observation')
+    time.sleep(FIRST_CHUNK_S)  # a chunk of an observation sent twice is not a round trip's
     trips = []
     for _ in range(5):  # the round trip of a step, where the interrupt is to land
         mark, t0 = len(node.actions.items), time.perf_counter()
@@ -225,7 +237,9 @@ def fig5_mode_interrupts(plan, device, log):
             if not client.wait_until_active(timeout=180.0):
                 raise RuntimeError(f'the {mode} node did not become active; log:\n'
                                    f'{proc.log()[-2000:]}')
-            client.wait_for_subscribers(10.0, INPUTS[mode])
+            if not client.wait_for_subscribers(10.0, INPUTS[mode]):
+                raise RuntimeError(f'the {mode} node did not subscribe to its command and '
+                                   f'{INPUTS[mode] or "other"} topics within 10 s')
             node = _Node(mode, client)
             if not client.wait_for_publishers(*node.subs):
                 raise RuntimeError(f'~/events, ~/actions or ~/tokens of the {mode} node did '
