@@ -54,6 +54,9 @@ RESENDS = 2
 # How long a camera's publisher, made at its first image, waits for a subscriber before
 # that image goes out (a message sent before the node has matched the publisher is lost).
 IMAGE_MATCH_S = 2.0
+# Then this long more: the publisher may see the node's reader before that reader has seen the
+# publisher, and a best-effort image sent between the two is dropped by the reader.
+IMAGE_SETTLE_S = 0.05
 TRANSITIONS = ('configure', 'cleanup', 'activate', 'deactivate', 'shutdown')
 _counter = itertools.count()
 
@@ -552,12 +555,14 @@ class FlashRTClient:
 
         A camera policy matches it with the joint state of the same stamp (sync_slop); give
         both the same `stamp` (builtin_interfaces/Time; default now). The first image of a
-        camera waits up to IMAGE_MATCH_S for the node to subscribe to it.
+        camera waits up to IMAGE_MATCH_S for the node to subscribe to it (and IMAGE_SETTLE_S
+        more once it has).
         """
         topic = topic or f'{self.base}/image/{camera}'
         if topic not in self._image_pubs:
             pub = self.node.create_publisher(Image, topic, IMAGE_QOS)
-            poll(lambda: pub.get_subscription_count() > 0, IMAGE_MATCH_S, 0.01)
+            if poll(lambda: pub.get_subscription_count() > 0, IMAGE_MATCH_S, 0.01):
+                time.sleep(IMAGE_SETTLE_S)
             self._image_pubs[topic] = pub
         msg = Image(height=int(height), width=int(width), encoding=encoding,
                     step=len(pixels) // max(int(height), 1), data=bytes(pixels))
