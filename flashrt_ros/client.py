@@ -41,6 +41,8 @@ import rclpy
 from rclpy.action import ActionClient
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.context import Context
+from rclpy.exceptions import InvalidHandle
+from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import Image, JointState
 from std_msgs.msg import Empty, Float32MultiArray, String
 from std_srvs.srv import Trigger
@@ -57,6 +59,11 @@ IMAGE_MATCH_S = 2.0
 # Then this long more: the publisher may see the node's reader before that reader has seen the
 # publisher, and a best-effort image sent between the two is dropped by the reader.
 IMAGE_SETTLE_S = 0.05
+# rclpy's ActionClient for ~/generate subscribes to the feedback too, but the client reads
+# its own subscription (GoalFeedback): rclpy's keeps the newest message only, so it adds no
+# work per chunk to a stream of thousands of chunks a second.
+UNUSED_FEEDBACK_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1,
+                                 reliability=ReliabilityPolicy.BEST_EFFORT)
 TRANSITIONS = ('configure', 'cleanup', 'activate', 'deactivate', 'shutdown')
 _counter = itertools.count()
 
@@ -93,6 +100,28 @@ class GenerateOutcome:
                 f'message={self.message!r})')
 
 
+def drain(subscription, message, deliver):
+    """
+    Call deliver(message), then deliver() for every message that waits behind it, in order.
+
+    A subscription's callback: one pass of rclpy's executor per message costs more than a
+    chunk of a fast stream takes to arrive, so the callbacks fell behind the stream and,
+    past the queue's depth, chunks were lost. subscription None (a message taken before
+    create_subscription returned): deliver(message) alone.
+    """
+    while message is not None:
+        deliver(message)
+        if subscription is None:
+            return
+        try:
+            with subscription.handle:
+                taken = subscription.handle.take_message(subscription.msg_type,
+                                                         subscription.raw)
+        except InvalidHandle:  # the client is closing
+            return
+        message = None if taken is None else taken[0]
+
+
 class GoalFeedback:
     """
     A ~/generate goal's feedback, from a subscription of the client's own.
@@ -123,6 +152,9 @@ class GoalFeedback:
             self._callbacks.pop(bytes(goal_id.uuid), None)
 
     def _take(self, message):
+        drain(getattr(self, 'subscription', None), message, self._deliver)
+
+    def _deliver(self, message):
         with self._lock:
             goal = bytes(message.goal_id.uuid)
             callback = self._callbacks.get(goal)
@@ -263,7 +295,7 @@ class FlashRTClient:
         self._change_state = service(ChangeState, 'change_state')
         self._generate = ActionClient(n, Generate, f'{self.base}/generate',
                                       callback_group=MutuallyExclusiveCallbackGroup(),
-                                      feedback_sub_qos_profile=FEEDBACK_QOS)
+                                      feedback_sub_qos_profile=UNUSED_FEEDBACK_QOS)
         # The action's name as rcl resolves it (remappings applied): the feedback topic is
         # that name's, not the name's as written.
         self._generate_feedback = GoalFeedback(n, n.resolve_topic_name(f'{self.base}/generate'))
@@ -487,7 +519,10 @@ class FlashRTClient:
         callbacks of every chunk have run.
         """
         timeout = self.timeout if timeout is None else timeout
-        if not self._generate.wait_for_server(timeout_sec=timeout):
+        # rclpy's wait covers its own feedback subscription; the chunks come on the client's.
+        feedback = self._generate_feedback.subscription
+        if not (self._generate.wait_for_server(timeout_sec=timeout)
+                and poll(lambda: feedback.get_publisher_count() > 0, timeout, 0.005)):
             raise TimeoutError(f'action {self.base}/generate is not available after '
                                f'{timeout:.1f} s; is the node running?')
         goal = Generate.Goal(prompt=prompt, token_ids=list(token_ids), raw=bool(raw),
@@ -619,9 +654,14 @@ class FlashRTClient:
 
     def subscribe_tokens(self, callback):
         """Call callback(TokenChunk) for every chunk on ~/tokens; return the subscription."""
-        return self.node.create_subscription(TokenChunk, f'{self.base}/tokens', callback,
-                                             STREAM_QOS,
-                                             callback_group=MutuallyExclusiveCallbackGroup())
+        made = []  # the subscription, once create_subscription has returned it
+
+        def take(message):
+            drain(made[0] if made else None, message, callback)
+        made.append(self.node.create_subscription(
+            TokenChunk, f'{self.base}/tokens', take, STREAM_QOS,
+            callback_group=MutuallyExclusiveCallbackGroup()))
+        return made[0]
 
     def subscribe_events(self, callback):
         """Call callback(CapsuleEvent) for every event on ~/events; return the subscription."""

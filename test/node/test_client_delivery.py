@@ -117,6 +117,35 @@ def test_goal_feedback_follows_a_remapped_action_name(server):
         rclpy.try_shutdown(context=context)
 
 
+def test_drain_delivers_what_waits_behind_a_message_in_order(server):
+    """drain(): one callback delivers its message and every one queued behind it."""
+    from flashrt_ros.client import drain, STREAM_QOS
+
+    context = Context()
+    rclpy.init(context=context)
+    reader = rclpy.create_node('drain_reader', context=context)  # spun by no executor
+    try:
+        sub = reader.create_subscription(TokenChunk, '/drain_test', lambda m: None, STREAM_QOS)
+        pub = server.create_publisher(TokenChunk, '/drain_test', STREAM_QOS)
+        deadline = time.monotonic() + 10.0
+        while sub.get_publisher_count() == 0 or pub.get_subscription_count() == 0:
+            assert time.monotonic() < deadline, 'the test topic did not match'
+            time.sleep(0.01)
+        for i in range(6):
+            pub.publish(_chunk(i, False, server))
+        time.sleep(0.5)  # on one host the six are in the reader's queue well before this
+        first = sub.handle.take_message(sub.msg_type, sub.raw)[0]
+        delivered = []
+        drain(sub, first, delivered.append)
+        assert [m.index for m in delivered] == [0, 1, 2, 3, 4, 5]
+        assert sub.handle.take_message(sub.msg_type, sub.raw) is None
+        drain(None, first, delivered.append)  # a message taken before the subscription was
+        assert len(delivered) == 7
+    finally:
+        reader.destroy_node()
+        rclpy.try_shutdown(context=context)
+
+
 def test_a_query_unanswered_is_sent_again_and_a_change_never(server, monkeypatch):
     """state_digest is sent again after RESEND_S; snapshot waits for its one answer."""
     from flashrt_ros import client as module
