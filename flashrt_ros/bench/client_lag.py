@@ -1,17 +1,21 @@
 """
-Measure how late FlashRTClient's callbacks run: rclpy's executor against spin.PoolExecutor.
+Measure how late FlashRTClient's callbacks run, against the client as it was.
 
-    python -m flashrt_ros.bench.client_lag [--turns 60] [--tokens 8]
+    python -m flashrt_ros.bench.client_lag [--turns 60] [--tokens 8] [--against rclpy]
 
-Starts `flashrt_node` (the default model); then, in blocks that alternate, a client
-spinning rclpy's MultiThreadedExecutor or one spinning the PoolExecutor the client uses
-(one at a time: two in one process share the interpreter lock) takes every ~/tokens chunk
-and sends goals with a feedback callback. A callback's lag is its wall time minus the
-chunk's stamp (the node's clock, this host's). Prints median, p90, p99 and max of each, and
-the feedback chunks a client got from the node against those it rebuilt from the result.
+Starts `flashrt_node` (the default model); then, in blocks that alternate, the client as
+shipped ('client') and, with --against rclpy, one spinning rclpy's MultiThreadedExecutor
+instead of spin.PoolExecutor, or with --against undrained, one whose subscriptions take one
+message per pass of the executor (no client.drain, rclpy's own feedback subscription at the
+feedback's QoS) -- one client at a time: two in one process share the interpreter lock --
+takes every ~/tokens chunk and sends goals with a feedback callback. A callback's lag is its
+wall time minus the chunk's stamp (the node's clock, this host's). Prints median, p90, p99
+and max of each, and the feedback chunks a client got from the node against those it
+rebuilt from the result. A fast stream (--tokens 300) is where draining shows.
 """
 
 import argparse
+import contextlib
 import tempfile
 import time
 
@@ -20,21 +24,26 @@ import numpy as np
 from .common import stamp_s
 
 PARAMS = {'model': 'default', 'token_chunk': 1}
-KINDS = ('rclpy', 'pool')
+AGAINST = ('rclpy', 'undrained')
 QUANTILES = (50, 90, 99, 100)
 
 
-def _client(pool):
+@contextlib.contextmanager
+def _kind(kind):
+    """Inside: FlashRTClient as `kind` ('client', or one of AGAINST) is made and runs."""
     from flashrt_ros import client as module
     from rclpy.executors import MultiThreadedExecutor
 
-    if pool:
-        return module.FlashRTClient(timeout=30.0)
-    plain, module.PoolExecutor = module.PoolExecutor, MultiThreadedExecutor
+    saved = module.PoolExecutor, module.drain, module.UNUSED_FEEDBACK_QOS
+    if kind == 'rclpy':
+        module.PoolExecutor = MultiThreadedExecutor
+    elif kind == 'undrained':
+        module.drain = lambda subscription, message, deliver: deliver(message)
+        module.UNUSED_FEEDBACK_QOS = module.FEEDBACK_QOS
     try:
-        return module.FlashRTClient(timeout=30.0)
+        yield module.FlashRTClient
     finally:
-        module.PoolExecutor = plain
+        module.PoolExecutor, module.drain, module.UNUSED_FEEDBACK_QOS = saved
 
 
 def _lag_ms(chunk):
@@ -43,7 +52,11 @@ def _lag_ms(chunk):
 
 def _block(k, args, lag, stats, node):
     """Run one block of turns with a client of kind `k`; add to lag and stats."""
-    client = _client(k == 'pool')
+    with _kind(k) as make:
+        _turns(make(timeout=30.0), k, args, lag, stats, node)
+
+
+def _turns(client, k, args, lag, stats, node):
     try:
         if not client.wait_until_active(120.0):
             raise SystemExit('the node did not become active:\n' + node.log()[-2000:])
@@ -74,14 +87,17 @@ def main():
     p.add_argument('--turns', type=int, default=60, help='goals, half from each client')
     p.add_argument('--tokens', type=int, default=8, help='max_new_tokens of each goal')
     p.add_argument('--blocks', type=int, default=3, help='blocks of each client kind')
+    p.add_argument('--against', choices=AGAINST, default='rclpy',
+                   help='the client the shipped one is compared with (default %(default)s)')
     args = p.parse_args()
+    kinds = (args.against, 'client')
     workdir = tempfile.mkdtemp(prefix='flashrt-client-lag-')
     node = NodeProcess(workdir, dict(PARAMS, capsule_dir=workdir))
-    lag = {(k, kind): [] for k in KINDS for kind in ('tokens', 'feedback')}
-    stats = {k: {'sent': 0, 'rebuilt': 0} for k in KINDS}
+    lag = {(k, kind): [] for k in kinds for kind in ('tokens', 'feedback')}
+    stats = {k: {'sent': 0, 'rebuilt': 0} for k in kinds}
     try:
         for _ in range(args.blocks):
-            for k in KINDS:
+            for k in kinds:
                 _block(k, args, lag, stats, node)
     finally:
         node.stop()
