@@ -122,6 +122,15 @@ def drain(subscription, message, deliver):
         message = None if taken is None else taken[0]
 
 
+def drained_subscription(node, msg_type, topic, deliver, qos):
+    """Subscribe with deliver(message) as its callback, drained, in a group of its own."""
+    made = []  # the subscription, once create_subscription has returned it
+    made.append(node.create_subscription(
+        msg_type, topic, lambda message: drain(made[0] if made else None, message, deliver),
+        qos, callback_group=MutuallyExclusiveCallbackGroup()))
+    return made[0]
+
+
 class GoalFeedback:
     """
     A ~/generate goal's feedback, from a subscription of the client's own.
@@ -135,9 +144,9 @@ class GoalFeedback:
     def __init__(self, node, name):
         self._callbacks = {}  # goal id bytes -> callback(feedback message)
         self._lock = threading.Lock()  # end() returns only once no callback of it runs
-        self.subscription = node.create_subscription(
-            Generate.Impl.FeedbackMessage, f'{name}/_action/feedback', self._take,
-            FEEDBACK_QOS, callback_group=MutuallyExclusiveCallbackGroup())
+        self.subscription = drained_subscription(
+            node, Generate.Impl.FeedbackMessage, f'{name}/_action/feedback', self._deliver,
+            FEEDBACK_QOS)
 
     def add(self, callback):
         """Register callback(feedback message) for a new goal id; return the id."""
@@ -150,9 +159,6 @@ class GoalFeedback:
         """Drop the goal's callback: nothing more of that goal reaches it."""
         with self._lock:
             self._callbacks.pop(bytes(goal_id.uuid), None)
-
-    def _take(self, message):
-        drain(getattr(self, 'subscription', None), message, self._deliver)
 
     def _deliver(self, message):
         with self._lock:
@@ -654,14 +660,8 @@ class FlashRTClient:
 
     def subscribe_tokens(self, callback):
         """Call callback(TokenChunk) for every chunk on ~/tokens; return the subscription."""
-        made = []  # the subscription, once create_subscription has returned it
-
-        def take(message):
-            drain(made[0] if made else None, message, callback)
-        made.append(self.node.create_subscription(
-            TokenChunk, f'{self.base}/tokens', take, STREAM_QOS,
-            callback_group=MutuallyExclusiveCallbackGroup()))
-        return made[0]
+        return drained_subscription(self.node, TokenChunk, f'{self.base}/tokens', callback,
+                                    STREAM_QOS)
 
     def subscribe_events(self, callback):
         """Call callback(CapsuleEvent) for every event on ~/events; return the subscription."""
