@@ -148,7 +148,7 @@ class CapsuleTransfer:
             shared = bool(self._node.get_parameter('transfer_shared_memory').value)
             request = ExportManifest.Request(name=goal.source_name,
                                              host_id=self._host if shared else '')
-            answer = self._call(manifest_cli, request, source)
+            answer = self._call(manifest_cli, request, source, t0)
             if not answer.success:
                 raise TransferFailed(f'{source} refused the export: {answer.message}')
             manifest = Manifest(answer.export_id, goal.source_name, int(answer.total_bytes),
@@ -161,7 +161,7 @@ class CapsuleTransfer:
             else:
                 via = 'DDS chunks'
             if not staging.complete and not self._receive(goal_handle, chunk_cli, source,
-                                                          staging):
+                                                          staging, t0):
                 goal_handle.canceled()
                 result.message = (f'import of {goal.source_name!r} from {source} cancelled '
                                   f'after {staging.received} of {manifest.total_bytes} bytes; '
@@ -213,19 +213,23 @@ class CapsuleTransfer:
         self._node.get_logger().info(f'import reads the chunks over DDS: {why}')
         return f'DDS chunks ({why})'
 
-    def _receive(self, goal_handle, chunk_cli, source, staging):
+    def _receive(self, goal_handle, chunk_cli, source, staging, t0):
         """Read every chunk into staging; return False if the goal was cancelled meanwhile."""
+        pending = collections.deque()
+        try:
+            return self._receive_chunks(goal_handle, chunk_cli, source, staging, t0, pending)
+        finally:  # given up or cancelled: no answer left waiting in the client
+            for _, _, future in pending:
+                chunk_cli.remove_pending_request(future)
+
+    def _receive_chunks(self, goal_handle, chunk_cli, source, staging, t0, pending):
         m, total = staging.manifest, staging.manifest.total_bytes
         size = int(self._node.get_parameter('transfer_chunk_bytes').value)
-        timeout = float(self._node.get_parameter('transfer_timeout').value)
         deadline = float(self._node.get_parameter('transfer_deadline').value)
-        started = time.monotonic()
-        pending, next_offset = collections.deque(), 0
+        next_offset = 0
         feedback = ImportCapsule.Feedback(bytes_total=total)
         while not staging.complete:
             if goal_handle.is_cancel_requested:
-                for _, _, future in pending:
-                    chunk_cli.remove_pending_request(future)
                 self._close_export(source, m.export_id)
                 return False
             while len(pending) < WINDOW and next_offset < total:
@@ -236,14 +240,14 @@ class CapsuleTransfer:
                 pending.append((next_offset, length, chunk_cli.call_async(request)))
                 next_offset += length
             offset, length, future = pending.popleft()
-            answer = self._wait(chunk_cli, future, source, timeout)
+            answer = self._wait(chunk_cli, future, source, t0, staging)
             if not answer.success:
                 raise TransferFailed(f'{source} stopped serving the export: {answer.message}')
             if len(answer.data) != length:
                 raise TransferFailed(f'{source} sent {len(answer.data)} bytes for the chunk of '
                                      f'{length} bytes at offset {offset}')
             staging.add(offset, answer.data)
-            _check_pace(source, staging, time.monotonic() - started, deadline)
+            _check_pace(source, staging, time.perf_counter() - t0, deadline)
             feedback.bytes_received = staging.received
             goal_handle.publish_feedback(feedback)
         return True
@@ -277,23 +281,28 @@ class CapsuleTransfer:
             self._clients.move_to_end(source)
             return clients
 
-    def _call(self, client, request, source):
+    def _call(self, client, request, source, t0):
         timeout = float(self._node.get_parameter('transfer_timeout').value)
         if not client.wait_for_service(timeout_sec=timeout):
             raise TransferFailed(f'no node {source} serves {client.srv_name} (waited '
                                  f'{timeout:.1f} s): check the name, the namespace and that '
                                  'both nodes share a ROS domain')
-        return self._wait(client, client.call_async(request), source, timeout)
+        return self._wait(client, client.call_async(request), source, t0)
 
-    @staticmethod
-    def _wait(client, future, source, timeout):
+    def _wait(self, client, future, source, t0, staging=None):
+        """Return the answer, waiting at most transfer_timeout and not past the deadline."""
+        timeout = float(self._node.get_parameter('transfer_timeout').value)
+        deadline = float(self._node.get_parameter('transfer_deadline').value)
+        left = deadline - (time.perf_counter() - t0)
         done = threading.Event()
         future.add_done_callback(lambda _: done.set())
-        if not done.wait(timeout):
-            client.remove_pending_request(future)
-            raise TransferFailed(f'{source} did not answer within {timeout:.1f} s (the node '
-                                 'stopped or the network is gone)')
-        return future.result()
+        if done.wait(max(0.0, min(timeout, left))):
+            return future.result()
+        client.remove_pending_request(future)
+        if left <= timeout:
+            raise _past_deadline(source, staging, deadline)
+        raise TransferFailed(f'{source} did not answer within {timeout:.1f} s (the node '
+                             'stopped or the network is gone)')
 
     def _close_export(self, source, export_id):
         """Ask the source to drop an export we will not finish (no wait: it may be gone)."""
@@ -310,12 +319,19 @@ def _check_pace(source, staging, elapsed, deadline):
     if staging.complete:
         return
     if elapsed > deadline:
-        raise TransferFailed(f'the import did not finish within transfer_deadline ({deadline:g} '
-                             f's): {received} of {total} bytes came from {source}')
+        raise _past_deadline(source, staging, deadline)
     if elapsed > RATE_GRACE_S and received / elapsed < MIN_RATE_BYTES_S:
         raise TransferFailed(f'{source} sends {received / elapsed / 1024:.1f} KiB/s, under the '
                              f'floor of {MIN_RATE_BYTES_S >> 10} KiB/s ({received} of {total} '
                              'bytes)')
+
+
+def _past_deadline(source, staging, deadline):
+    """Return the error of an import past transfer_deadline (staging None: no manifest yet)."""
+    got = ('no manifest' if staging is None else
+           f'{staging.received} of {staging.manifest.total_bytes} bytes')
+    return TransferFailed(f'the import did not finish within transfer_deadline ({deadline:g} s): '
+                          f'{got} came from {source}')
 
 
 def _check_export_allowed(policy, info):

@@ -189,6 +189,7 @@ class _Tamperer:
                                  callback_group=group)
         self.total = 0
         self.flipped = 0
+        self._closed = threading.Event()  # ends a delay early
         # A relayed call holds its thread until the forward's answer, which needs another:
         # more threads than the receiver's chunk requests in flight.
         self._executor = MultiThreadedExecutor(num_threads=12, context=self.context)
@@ -214,7 +215,8 @@ class _Tamperer:
         return answer
 
     def _relay_chunk(self, request, response):
-        time.sleep(self.delay)
+        if self._closed.wait(self.delay):
+            return response  # closing: the receiver gave up on this chunk
         answer = self._forward(self._chunk, request)
         end = request.offset + len(answer.data)
         if self.short and answer.success and request.offset == 0:
@@ -230,6 +232,7 @@ class _Tamperer:
 
     def close(self):
         import rclpy
+        self._closed.set()
         self._executor.shutdown(timeout_sec=2.0)
         self.node.destroy_node()
         rclpy.try_shutdown(context=self.context)
@@ -283,9 +286,10 @@ def test_a_dripping_sender_is_given_up_at_the_deadline(nodes, context):
     right = clients[RIGHT]
     assert right.restore(HOME).success
     digest, before = right.state_digest(), _listing(right)
-    tamperer = _Tamperer(delay=1.0)  # each chunk well inside transfer_timeout
+    tamperer = _Tamperer(delay=30.0)  # each chunk well inside transfer_timeout
     assert set_parameter(right, 'transfer_deadline', 0.5).successful
-    assert set_parameter(right, 'transfer_timeout', 15.0).successful  # a relay on a loaded machine
+    assert set_parameter(right, 'transfer_timeout', 60.0).successful
+    t0 = time.monotonic()
     try:
         with _dds_chunks(right):
             result = right.import_capsule('/tamper/flashrt', 'ctx', name='drip', tier='host')
@@ -296,6 +300,7 @@ def test_a_dripping_sender_is_given_up_at_the_deadline(nodes, context):
     if result.success:  # leave no capsule behind for the tests after this one
         right.delete_capsule('drip')
     assert not result.success and 'transfer_deadline (0.5 s)' in result.message, result.message
+    assert time.monotonic() - t0 < 15.0  # given up at the deadline, not when a chunk came
     assert _listing(right) == before and right.state_digest() == digest
 
 
