@@ -22,7 +22,7 @@ _SPEC.loader.exec_module(checkpoint_harness)
 
 
 class DiagnosticsLog:
-    """Collect /diagnostics statuses from a node of its own (its own context and thread)."""
+    """Collect NAME's /diagnostics statuses from a node of its own (own context and thread)."""
 
     def __init__(self):
         import rclpy
@@ -32,12 +32,15 @@ class DiagnosticsLog:
         self._context = rclpy.Context()
         rclpy.init(context=self._context)
         self.node = rclpy.create_node('chat_diagnostics_log', context=self._context)
-        self.node.create_subscription(DiagnosticArray, '/diagnostics',
-                                      lambda m: self.statuses.extend(m.status), 10)
+        self.node.create_subscription(DiagnosticArray, '/diagnostics', self._take, 10)
         self._executor = SingleThreadedExecutor(context=self._context)
         self._executor.add_node(self.node)
         self._thread = threading.Thread(target=self._executor.spin, daemon=True)
         self._thread.start()
+
+    def _take(self, message):
+        # Another test's node may still be publishing on /diagnostics.
+        self.statuses.extend(s for s in message.status if s.name.startswith(f'/{NAME}:'))
 
     def close(self):
         import rclpy
@@ -56,12 +59,14 @@ def chat_node(tmp_path_factory):
     log = DiagnosticsLog()
 
     def prepare(node):
-        # Configure publishes its stages at once: wait until the node's publisher has
-        # matched the log's subscription (discovery runs both ways, not at once).
+        # Configure publishes its stages at once: wait until a status sent on the node's
+        # publisher reaches the log. Discovery runs both ways, not at once, and a match
+        # count can count another test's endpoint not yet gone.
+        from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+        probe = DiagnosticArray(status=[DiagnosticStatus(name=f'/{NAME}: probe')])
         deadline = time.monotonic() + 10.0
-        while ((log.node.count_publishers('/diagnostics') < 1
-                or node._diag_pub.get_subscription_count() < 1)
-               and time.monotonic() < deadline):
+        while not log.statuses and time.monotonic() < deadline:
+            node._diag_pub.publish(probe)
             time.sleep(0.05)
 
     try:
