@@ -10,8 +10,12 @@ _RELIABLE = {'history': HistoryPolicy.KEEP_LAST, 'reliability': ReliabilityPolic
 # for old tokens.
 STREAM_QOS = QoSProfile(depth=100, **_RELIABLE)
 # The ~/generate and ~/import_capsule feedback, as ~/tokens: rclpy's default depth of 10 drops
-# chunks of a fast turn for a consumer that takes a few ms per chunk.
-FEEDBACK_QOS = STREAM_QOS
+# chunks of a fast turn for a consumer that takes a few ms per chunk. Transient local: a new
+# client's reader can see the node's writer before the writer has seen the reader, and its
+# first goal's first chunks, sent in between, reach it once the writer has.
+FEEDBACK_QOS = QoSProfile(depth=100, history=HistoryPolicy.KEEP_LAST,
+                          reliability=ReliabilityPolicy.RELIABLE,
+                          durability=DurabilityPolicy.TRANSIENT_LOCAL)
 # ~/interrupt: an interrupt (e-stop, barge-in) is never dropped, even in a burst while the
 # state group is busy. Publishers must be RELIABLE too.
 INTERRUPT_QOS = QoSProfile(depth=1000, **_RELIABLE)

@@ -146,6 +146,43 @@ def test_drain_delivers_what_waits_behind_a_message_in_order(server):
         rclpy.try_shutdown(context=context)
 
 
+def test_chunks_sent_before_the_reader_matched_reach_it(server):
+    """
+    A goal's chunks published before a client's feedback reader exists still reach it.
+
+    A new client's reader can see the node's writer before the writer has seen the reader;
+    what the node sends in between is what a reader made after it sees here.
+    """
+    from flashrt_ros.client import drained_subscription
+    from unique_identifier_msgs.msg import UUID
+
+    topic = f'/{NAME}/generate/_action/feedback'
+    writer = server.create_publisher(Generate.Impl.FeedbackMessage, topic, FEEDBACK_QOS)
+    goal = UUID(uuid=list(range(16)))
+    for i in range(3):
+        message = Generate.Impl.FeedbackMessage(goal_id=goal)
+        message.feedback.chunk = _chunk(i, i == 2, server)
+        writer.publish(message)
+    context = Context()
+    rclpy.init(context=context)
+    reader = rclpy.create_node('late_reader', context=context)
+    executor = SingleThreadedExecutor(context=context)
+    executor.add_node(reader)
+    delivered = []
+    try:
+        drained_subscription(reader, Generate.Impl.FeedbackMessage, topic, delivered.append,
+                             FEEDBACK_QOS)
+        deadline = time.monotonic() + 10.0
+        while len(delivered) < 3 and time.monotonic() < deadline:
+            executor.spin_once(timeout_sec=0.05)
+        assert [(bytes(m.goal_id.uuid), m.feedback.chunk.index) for m in delivered] == [
+            (bytes(range(16)), i) for i in range(3)]
+    finally:
+        executor.shutdown()
+        reader.destroy_node()
+        rclpy.try_shutdown(context=context)
+
+
 def test_a_query_unanswered_is_sent_again_and_a_change_never(server, monkeypatch):
     """state_digest is sent again after RESEND_S; snapshot waits for its one answer."""
     from flashrt_ros import client as module
