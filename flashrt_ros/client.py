@@ -527,10 +527,13 @@ class FlashRTClient:
         timeout = self.timeout if timeout is None else timeout
         # rclpy's wait covers its own feedback subscription; the chunks come on the client's.
         feedback = self._generate_feedback.subscription
-        if not (self._generate.wait_for_server(timeout_sec=timeout)
-                and poll(lambda: feedback.get_publisher_count() > 0, timeout, 0.005)):
+        if not self._generate.wait_for_server(timeout_sec=timeout):
             raise TimeoutError(f'action {self.base}/generate is not available after '
                                f'{timeout:.1f} s; is the node running?')
+        if not poll(lambda: feedback.get_publisher_count() > 0, timeout, 0.005):
+            raise TimeoutError(f'action {self.base}/generate is up, but its feedback topic '
+                               f'{feedback.topic_name} matched no publisher in {timeout:.1f} s '
+                               '(a publisher with other QoS is logged as incompatible)')
         goal = Generate.Goal(prompt=prompt, token_ids=list(token_ids), raw=bool(raw),
                              max_new_tokens=max_new_tokens, temperature=temperature,
                              top_k=top_k, top_p=top_p, seed=seed, stop=list(stop),
