@@ -126,7 +126,7 @@ def _run_session(client, report, events, trained):
             time.sleep(0.005)
         client.interrupt(mode=Interrupt.RESTORE, capsule='home', reason='barge-in')
         stopped = run.result(30.0)
-        reasons.append(stopped.result.stop_reason)
+        reasons.append('rejected' if stopped.result is None else stopped.result.stop_reason)
         event = _wait_event(events, start, 'interrupt')
         if event is None or not event.success:
             break

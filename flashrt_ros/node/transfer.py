@@ -225,7 +225,7 @@ class CapsuleTransfer:
     def _receive_chunks(self, goal_handle, chunk_cli, source, staging, t0, pending):
         m, total = staging.manifest, staging.manifest.total_bytes
         size = int(self._node.get_parameter('transfer_chunk_bytes').value)
-        deadline = float(self._node.get_parameter('transfer_deadline').value)
+        deadline = self._deadline()
         next_offset = 0
         feedback = ImportCapsule.Feedback(bytes_total=total)
         while not staging.complete:
@@ -282,8 +282,10 @@ class CapsuleTransfer:
             return clients
 
     def _call(self, client, request, source, t0):
-        timeout = float(self._node.get_parameter('transfer_timeout').value)
-        if not client.wait_for_service(timeout_sec=timeout):
+        timeout, left = self._limits(t0)
+        if not client.wait_for_service(timeout_sec=max(0.0, min(timeout, left))):
+            if left <= timeout:
+                raise _past_deadline(source, None, self._deadline())
             raise TransferFailed(f'no node {source} serves {client.srv_name} (waited '
                                  f'{timeout:.1f} s): check the name, the namespace and that '
                                  'both nodes share a ROS domain')
@@ -291,18 +293,26 @@ class CapsuleTransfer:
 
     def _wait(self, client, future, source, t0, staging=None):
         """Return the answer, waiting at most transfer_timeout and not past the deadline."""
-        timeout = float(self._node.get_parameter('transfer_timeout').value)
-        deadline = float(self._node.get_parameter('transfer_deadline').value)
-        left = deadline - (time.perf_counter() - t0)
+        if future.done():  # a chunk that came while the one before was copied in
+            return future.result()
+        timeout, left = self._limits(t0)
         done = threading.Event()
         future.add_done_callback(lambda _: done.set())
-        if done.wait(max(0.0, min(timeout, left))):
+        if done.wait(max(0.0, min(timeout, left))) or future.done():
             return future.result()
         client.remove_pending_request(future)
         if left <= timeout:
-            raise _past_deadline(source, staging, deadline)
+            raise _past_deadline(source, staging, self._deadline())
         raise TransferFailed(f'{source} did not answer within {timeout:.1f} s (the node '
                              'stopped or the network is gone)')
+
+    def _deadline(self):
+        return float(self._node.get_parameter('transfer_deadline').value)
+
+    def _limits(self, t0):
+        """Return (transfer_timeout, seconds left to the deadline of the import begun at t0)."""
+        timeout = float(self._node.get_parameter('transfer_timeout').value)
+        return timeout, self._deadline() - (time.perf_counter() - t0)
 
     def _close_export(self, source, export_id):
         """Ask the source to drop an export we will not finish (no wait: it may be gone)."""

@@ -448,3 +448,26 @@ def test_a_source_node_that_is_no_node_name_is_refused_saying_so(nodes, source):
     result = clients[RIGHT].import_capsule(source, 'ctx', name='nowhere')
     assert not result.success and 'internal error' not in result.message, result.message
     assert 'source_node' in result.message and 'nothing was stored' in result.message
+
+
+def test_a_source_no_node_serves_is_given_up_at_the_first_limit(nodes):
+    """The wait for the source's services ends at transfer_timeout or the deadline, saying which."""
+    clients, _ = nodes
+    right = clients[RIGHT]
+    before = _listing(right)
+    try:
+        assert set_parameter(right, 'transfer_timeout', 1.0).successful
+        result = right.import_capsule('/absent/flashrt', 'ctx', name='absent')
+        assert not result.success and 'no node /absent/flashrt serves' in result.message, (
+            result.message)
+        assert set_parameter(right, 'transfer_timeout', 60.0).successful
+        assert set_parameter(right, 'transfer_deadline', 1.0).successful
+        t0 = time.monotonic()
+        result = right.import_capsule('/absent/flashrt', 'ctx', name='absent')
+        assert time.monotonic() - t0 < 15.0  # the deadline, not transfer_timeout
+        assert not result.success and 'transfer_deadline (1 s): no manifest' in result.message, (
+            result.message)
+    finally:
+        set_parameter(right, 'transfer_deadline', 120.0)
+        set_parameter(right, 'transfer_timeout', MODEL['transfer_timeout'])
+    assert _listing(right) == before
