@@ -451,7 +451,7 @@ def test_a_source_node_that_is_no_node_name_is_refused_saying_so(nodes, source):
 
 
 def test_a_source_no_node_serves_is_given_up_at_the_first_limit(nodes):
-    """The wait for the source's services ends at transfer_timeout or the deadline, saying which."""
+    """The wait for the source's services ends at transfer_timeout or the deadline."""
     clients, _ = nodes
     right = clients[RIGHT]
     before = _listing(right)
