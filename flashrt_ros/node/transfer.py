@@ -137,6 +137,8 @@ class CapsuleTransfer:
         goal = goal_handle.request
         name, tier = goal.name or goal.source_name, goal.tier or 'device'
         t0 = time.perf_counter()
+        limits = _Limits(t0, float(self._node.get_parameter('transfer_timeout').value),
+                         float(self._node.get_parameter('transfer_deadline').value))
         manifest, staging, result = None, None, ImportCapsule.Result()
         source = goal.source_node
         try:
@@ -148,7 +150,7 @@ class CapsuleTransfer:
             shared = bool(self._node.get_parameter('transfer_shared_memory').value)
             request = ExportManifest.Request(name=goal.source_name,
                                              host_id=self._host if shared else '')
-            answer = self._call(manifest_cli, request, source, t0)
+            answer = _call(manifest_cli, request, source, limits)
             if not answer.success:
                 raise TransferFailed(f'{source} refused the export: {answer.message}')
             manifest = Manifest(answer.export_id, goal.source_name, int(answer.total_bytes),
@@ -161,7 +163,7 @@ class CapsuleTransfer:
             else:
                 via = 'DDS chunks'
             if not staging.complete and not self._receive(goal_handle, chunk_cli, source,
-                                                          staging, t0):
+                                                          staging, limits):
                 goal_handle.canceled()
                 result.message = (f'import of {goal.source_name!r} from {source} cancelled '
                                   f'after {staging.received} of {manifest.total_bytes} bytes; '
@@ -213,19 +215,19 @@ class CapsuleTransfer:
         self._node.get_logger().info(f'import reads the chunks over DDS: {why}')
         return f'DDS chunks ({why})'
 
-    def _receive(self, goal_handle, chunk_cli, source, staging, t0):
+    def _receive(self, goal_handle, chunk_cli, source, staging, limits):
         """Read every chunk into staging; return False if the goal was cancelled meanwhile."""
         pending = collections.deque()
         try:
-            return self._receive_chunks(goal_handle, chunk_cli, source, staging, t0, pending)
+            return self._receive_chunks(goal_handle, chunk_cli, source, staging, limits,
+                                        pending)
         finally:  # given up or cancelled: no answer left waiting in the client
             for _, _, future in pending:
                 chunk_cli.remove_pending_request(future)
 
-    def _receive_chunks(self, goal_handle, chunk_cli, source, staging, t0, pending):
+    def _receive_chunks(self, goal_handle, chunk_cli, source, staging, limits, pending):
         m, total = staging.manifest, staging.manifest.total_bytes
         size = int(self._node.get_parameter('transfer_chunk_bytes').value)
-        deadline = self._deadline()
         next_offset = 0
         feedback = ImportCapsule.Feedback(bytes_total=total)
         while not staging.complete:
@@ -240,14 +242,14 @@ class CapsuleTransfer:
                 pending.append((next_offset, length, chunk_cli.call_async(request)))
                 next_offset += length
             offset, length, future = pending.popleft()
-            answer = self._wait(chunk_cli, future, source, t0, staging)
+            answer = _wait(chunk_cli, future, source, limits, staging)
             if not answer.success:
                 raise TransferFailed(f'{source} stopped serving the export: {answer.message}')
             if len(answer.data) != length:
                 raise TransferFailed(f'{source} sent {len(answer.data)} bytes for the chunk of '
                                      f'{length} bytes at offset {offset}')
             staging.add(offset, answer.data)
-            _check_pace(source, staging, time.perf_counter() - t0, deadline)
+            _check_pace(source, staging, limits)
             feedback.bytes_received = staging.received
             goal_handle.publish_feedback(feedback)
         return True
@@ -281,39 +283,6 @@ class CapsuleTransfer:
             self._clients.move_to_end(source)
             return clients
 
-    def _call(self, client, request, source, t0):
-        timeout, left = self._limits(t0)
-        if not client.wait_for_service(timeout_sec=max(0.0, min(timeout, left))):
-            if left <= timeout:
-                raise _past_deadline(source, None, self._deadline())
-            raise TransferFailed(f'no node {source} serves {client.srv_name} (waited '
-                                 f'{timeout:.1f} s): check the name, the namespace and that '
-                                 'both nodes share a ROS domain')
-        return self._wait(client, client.call_async(request), source, t0)
-
-    def _wait(self, client, future, source, t0, staging=None):
-        """Return the answer, waiting at most transfer_timeout and not past the deadline."""
-        if future.done():  # a chunk that came while the one before was copied in
-            return future.result()
-        timeout, left = self._limits(t0)
-        done = threading.Event()
-        future.add_done_callback(lambda _: done.set())
-        if done.wait(max(0.0, min(timeout, left))) or future.done():
-            return future.result()
-        client.remove_pending_request(future)
-        if left <= timeout:
-            raise _past_deadline(source, staging, self._deadline())
-        raise TransferFailed(f'{source} did not answer within {timeout:.1f} s (the node '
-                             'stopped or the network is gone)')
-
-    def _deadline(self):
-        return float(self._node.get_parameter('transfer_deadline').value)
-
-    def _limits(self, t0):
-        """Return (transfer_timeout, seconds left to the deadline of the import begun at t0)."""
-        timeout = float(self._node.get_parameter('transfer_timeout').value)
-        return timeout, self._deadline() - (time.perf_counter() - t0)
-
     def _close_export(self, source, export_id):
         """Ask the source to drop an export we will not finish (no wait: it may be gone)."""
         try:
@@ -323,11 +292,55 @@ class CapsuleTransfer:
             pass
 
 
-def _check_pace(source, staging, elapsed, deadline):
+def _call(client, request, source, limits):
+    """Call a source's service within the import's limits; return its answer."""
+    wait, by_deadline = limits.next_wait()
+    if not client.wait_for_service(timeout_sec=wait):
+        if by_deadline:
+            raise _past_deadline(source, None, limits.deadline)
+        raise TransferFailed(f'no node {source} serves {client.srv_name} (waited '
+                             f'{wait:.1f} s): check the name, the namespace and that '
+                             'both nodes share a ROS domain')
+    return _wait(client, client.call_async(request), source, limits)
+
+
+def _wait(client, future, source, limits, staging=None):
+    """Return the answer, waiting at most transfer_timeout and not past the deadline."""
+    if future.done():  # a chunk that came while the one before was copied in
+        return future.result()
+    wait, by_deadline = limits.next_wait()
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    if done.wait(wait) or future.done():
+        return future.result()
+    client.remove_pending_request(future)
+    if by_deadline:
+        raise _past_deadline(source, staging, limits.deadline)
+    raise TransferFailed(f'{source} did not answer within {wait:.1f} s (the node '
+                         'stopped or the network is gone)')
+
+
+class _Limits:
+    """An import's transfer_timeout and transfer_deadline, read once at its start t0."""
+
+    def __init__(self, t0, timeout, deadline):
+        self.t0, self.timeout, self.deadline = t0, timeout, deadline
+
+    def elapsed(self):
+        return time.perf_counter() - self.t0
+
+    def next_wait(self):
+        """Return (seconds the next wait may take, whether the deadline ends it first)."""
+        left = self.deadline - self.elapsed()
+        return max(0.0, min(self.timeout, left)), left <= self.timeout
+
+
+def _check_pace(source, staging, limits):
     """Raise TransferFailed when an import is past its deadline or under the rate floor."""
     received, total = staging.received, staging.manifest.total_bytes
     if staging.complete:
         return
+    elapsed, deadline = limits.elapsed(), limits.deadline
     if elapsed > deadline:
         raise _past_deadline(source, staging, deadline)
     if elapsed > RATE_GRACE_S and received / elapsed < MIN_RATE_BYTES_S:
