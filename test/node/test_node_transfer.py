@@ -201,6 +201,26 @@ class _Tamperer:
         for client in (self._manifest, self._chunk):
             assert client.wait_for_service(timeout_sec=30.0), client.srv_name
 
+    def warm(self, receiver):
+        """
+        Import, by `receiver` through this relay, a capsule LEFT lacks until its refusal comes.
+
+        The receiver's first request can reach the relay before the relay has discovered the
+        receiver's reply reader (the node has many endpoints, the relay few), and the reply
+        is then dropped ("failed to send response"): the test's import waited out its
+        transfer_timeout. Once one reply came back the path is matched both ways.
+        """
+        assert set_parameter(receiver, 'transfer_timeout', 1.0).successful
+        try:
+            for _ in range(20):
+                result = receiver.import_capsule('/tamper/flashrt', 'absent', name='warm')
+                if 'refused the export' in result.message:
+                    return
+            raise AssertionError(f'the relay never answered: {result.message}')
+        finally:
+            timeout = MODEL['transfer_timeout']
+            assert set_parameter(receiver, 'transfer_timeout', timeout).successful
+
     def _forward(self, client, request):
         assert client.wait_for_service(timeout_sec=10.0)
         done = threading.Event()
@@ -244,6 +264,7 @@ def test_corrupted_chunk_refused_at_the_checksum(nodes, context):
     assert right.restore(HOME).success
     digest, before = right.state_digest(), _listing(right)
     tamperer = _Tamperer()
+    tamperer.warm(right)
     # Each relayed call is two DDS round trips; give them more than the 3 s the killed-sender
     # test relies on.
     assert set_parameter(right, 'transfer_timeout', 15.0).successful
@@ -267,6 +288,7 @@ def test_a_chunk_of_the_wrong_length_is_refused_saying_so(nodes, context):
     assert right.restore(HOME).success
     digest, before = right.state_digest(), _listing(right)
     tamperer = _Tamperer(short=True)  # (the receiver's closing call relays offset 0 too)
+    tamperer.warm(right)
     assert set_parameter(right, 'transfer_timeout', 15.0).successful
     try:
         with _dds_chunks(right):
@@ -287,6 +309,7 @@ def test_a_dripping_sender_is_given_up_at_the_deadline(nodes, context):
     assert right.restore(HOME).success
     digest, before = right.state_digest(), _listing(right)
     tamperer = _Tamperer(delay=30.0)  # each chunk well inside transfer_timeout
+    tamperer.warm(right)
     assert set_parameter(right, 'transfer_deadline', 0.5).successful
     assert set_parameter(right, 'transfer_timeout', 60.0).successful
     t0 = time.monotonic()
@@ -312,6 +335,7 @@ def test_a_sender_under_the_rate_floor_is_given_up_after_the_grace(nodes, contex
     # 4 KiB chunks, four in flight, each held 0.5 s: at most 32 KiB/s, under the 64 KiB/s
     # floor, with the deadline far away.
     tamperer = _Tamperer(delay=0.5)
+    tamperer.warm(right)
     for name, value in (('transfer_chunk_bytes', 4096), ('transfer_timeout', 15.0)):
         assert set_parameter(right, name, value).successful
     t0 = time.monotonic()
