@@ -51,16 +51,17 @@ def meet() -> None:
             check(None, ())
 
 
-def end_turn(gen, torn: bool) -> bool:
+def end_turn(gen, torn: bool, commit: bool = True) -> bool:
     """
     End `gen` for a waiting restore/rollback (lock held); return its run()'s `from_newest`.
 
     True when the turn committed no end of its own, so a rollback counts from the newest
     boundary: cut mid-step (torn), claimed and never started, or a conversation turn (the
-    state is replaced anyway: its end-of-turn tokens are not fed for nothing).
+    state is replaced anyway: its end-of-turn tokens are not fed for nothing). commit
+    False: a restore replaces the state; its end would be dropped from the ring at once.
     """
-    from_newest = torn or not gen.started or gen.closes_turn
-    gen.finish('interrupted', commit=not (torn or gen.closes_turn))
+    from_newest = torn or not gen.started or gen.closes_turn or not commit
+    gen.finish('interrupted', commit=commit and not (torn or gen.closes_turn))
     return from_newest
 
 

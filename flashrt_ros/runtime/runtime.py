@@ -457,7 +457,7 @@ class Runtime:
             raise
         if preempt:
             return self.writer.preempt(lambda _: self._restore_checked(cap, meta, mode, t0),
-                                       stages)
+                                       stages, replaces=True)
         with self.writer.lock:
             self._check_idle()
             return self._restore_checked(cap, meta, mode, t0)

@@ -76,9 +76,10 @@ class StepLock:
 class Request:
     """A restore or rollback waiting for the step lock: run it, or say how it ended."""
 
-    def __init__(self, run: Callable[[bool], Any], stages: dict | None):
+    def __init__(self, run: Callable[[bool], Any], stages: dict | None, replaces: bool):
         self.run = run  # run(from_newest) -> result, with the step lock held
         self.stages = {} if stages is None else stages  # stage -> time.time()
+        self.replaces = replaces  # run puts a whole state in place of the live one
         self.done = False
         self.give_back: Callable[[], None] | None = None  # ends a lent priority (preempt)
         self.result = None
@@ -99,10 +100,10 @@ class WriterSlot:
         """
         commit(): push the live state on the rollback ring (lock held).
 
-        end_turn(turn, torn) ends `turn` for a preemption and returns its run's
-        from_newest; recover_torn() puts a half-updated state back when a preemption that
-        was to replace it fails. abortable_steps False: steps are waited for, never
-        abandoned (a policy's act()).
+        end_turn(turn, torn, commit) ends `turn` for a preemption (committing its end only
+        if commit) and returns its run's from_newest; recover_torn() puts a half-updated
+        state back when a preemption that was to replace it fails. abortable_steps False:
+        steps are waited for, never abandoned (a policy's act()).
         """
         self.lock = StepLock()
         self.turn = None
@@ -149,7 +150,8 @@ class WriterSlot:
         """Whether a preemption waits for the step boundary (checked there, lock held)."""
         return self._request is not None
 
-    def preempt(self, run: Callable[[bool], Any], stages: dict | None = None):
+    def preempt(self, run: Callable[[bool], Any], stages: dict | None = None,
+                replaces: bool = False):
         """
         Return run(from_newest) run with the step lock held, ending a running turn first.
 
@@ -158,9 +160,13 @@ class WriterSlot:
         the lock's holder until it holds the lock itself (lend_priority).
         stages, when given, gets time.time() at 'armed' (the request visible to the step),
         'step_left' (the state is this request's) and 'copied' (run returned).
+        replaces: run puts a capsule's whole state in place of the live one (a restore).
+        The turn it ends then commits no end of its own, which the restore would drop at
+        once (its rows are past those the capsule shares with the live state); if run
+        fails, the newest committed boundary is put back (recover_torn).
         """
         with self._preempting:
-            request = Request(run, stages)
+            request = Request(run, stages, replaces)
             hook = None
             if self._abortable_steps:  # armed first: the next module call meets it
                 hook = torch.nn.modules.module.register_module_forward_pre_hook(self._check)
@@ -173,11 +179,7 @@ class WriterSlot:
                     request.end_lent_priority()  # the lock is the caller's: nothing to wait for
                     self._request = None
                     if not request.done:  # no step was running: a boundary, or idle
-                        request.stages['step_left'] = time.time()
-                        turn = self.turn
-                        result = run(turn is not None and self._end_turn(turn, False))
-                        request.stages['copied'] = time.time()
-                        return result
+                        self._run(request, self.turn, False)
                 finally:
                     self.lock.release()
             finally:
@@ -215,18 +217,23 @@ class WriterSlot:
         be replaced; if the preemption fails anyway (it was checked before it was armed)
         the last committed boundary is put back instead.
         """
-        request = self._request
+        self._run(self._request, turn, torn)
+        self._request = None  # served: a turn started before the caller wakes must not see it
+
+    def _run(self, request: Request, turn, torn: bool) -> None:
+        """End `turn` (None: no turn) and run `request`; keep its result or error (lock held)."""
         request.stages['step_left'] = time.time()
-        from_newest = torn if turn is None else self._end_turn(turn, torn)
+        from_newest = torn
+        if turn is not None:
+            from_newest = self._end_turn(turn, torn, not request.replaces)
         try:
             request.result = request.run(from_newest)
             request.stages['copied'] = time.time()
         except Exception as exc:
             request.error = exc
-            if torn:
-                self._recover_torn()
+            if torn or (request.replaces and turn is not None):
+                self._recover_torn()  # a boundary again, whatever the copy got to
         request.done = True
-        self._request = None  # served: a turn started before the caller wakes must not see it
 
 
 def lend_priority(tid: int) -> Callable[[], None] | None:

@@ -213,6 +213,34 @@ def test_preempt_between_steps_and_when_idle(make_runtime):
     assert rt.state_digest() == home
 
 
+def test_a_restore_that_ends_a_turn_commits_nothing_it_would_drop(make_runtime):
+    """The ring and the rollbacks after it are those of a turn ended, committed, then cut."""
+    outcomes = []
+    for preempt in (True, False):
+        rt = make_runtime(rollback_depth=8)  # room for all: at 4 that commit evicts the oldest
+        rt.prefill(PROMPT)
+        rt.snapshot('home')
+        rt.prefill(OTHER)  # a boundary past home's rows: the restore drops it either way
+        gen = rt.generate(prompt=' and the tray', max_new_tokens=50, stop=(), eos=False)
+        next(gen), next(gen)
+        drops = rt.stats().rollback_ring.lineage_drops
+        if preempt:
+            rt.restore('home', preempt=True)  # between two steps, on this thread
+        else:
+            gen.close()  # the turn's end is committed, then the restore drops it
+            rt.restore('home')
+        assert gen.result.stop_reason == 'interrupted' and not rt.generating
+        ring = rt.stats().rollback_ring
+        digests = [rt.state_digest()]
+        while len(rt.ring) > 1:
+            rt.rollback(1)
+            digests.append(rt.state_digest())
+        outcomes.append((ring.count, ring.lineage_drops - drops, digests))
+    (entries, drops, digests), (entries_b, drops_b, digests_b) = outcomes
+    assert entries == entries_b and digests == digests_b
+    assert drops == drops_b - 1  # the turn's end: never committed, so never dropped
+
+
 @pytest.mark.parametrize('served_by', ['caller', 'turn'])
 def test_preempting_rollback_of_an_unstarted_turn_undoes_nothing_before_it(make_runtime,
                                                                            served_by):

@@ -47,15 +47,29 @@ class Turn:
 
 
 def _slot(log, abortable=True):
-    def end_turn(turn, torn):
+    def end_turn(turn, torn, commit):
         turn.ended = torn
-        log.append(('end', torn))
+        log.append(('end', torn) if commit else ('end', torn, 'uncommitted'))
         slot.release(turn)
-        return torn
+        return torn or not commit
 
     slot = WriterSlot(lambda: log.append('commit'), end_turn, lambda: log.append('recover'),
                       abortable_steps=abortable)
     return slot
+
+
+def _running(log, abortable=True):
+    """Return (slot, turn): a turn stepping on its own thread, claimed."""
+    slot = _slot(log, abortable)
+    turn = Turn(slot, torch.nn.Identity())
+    slot.claim(turn)
+    turn.thread.start()
+    assert turn.running.wait(10.0)
+    return slot, turn
+
+
+def _fail(from_newest):
+    raise ValueError('copy failed')
 
 
 def test_claim_release_and_stop():
@@ -129,17 +143,9 @@ def test_an_abortable_step_is_abandoned_at_its_next_module_call():
 
 def test_a_failing_preemption_reaches_the_caller_and_puts_a_torn_state_back():
     log = []
-    slot = _slot(log)
-    turn = Turn(slot, torch.nn.Identity())
-    slot.claim(turn)
-    turn.thread.start()
-    assert turn.running.wait(10.0)
-
-    def fail(from_newest):
-        raise ValueError('capsule went away')
-
-    with pytest.raises(ValueError, match='went away'):
-        slot.preempt(fail)
+    slot, turn = _running(log)
+    with pytest.raises(ValueError, match='copy failed'):
+        slot.preempt(_fail)
     turn.thread.join(10.0)
     assert not turn.thread.is_alive()
     # Served by the turn inside its step: the half-updated state is put back. (Served by
@@ -149,15 +155,37 @@ def test_a_failing_preemption_reaches_the_caller_and_puts_a_torn_state_back():
 
 def test_steps_that_may_not_be_abandoned_are_waited_for():
     log = []
-    slot = _slot(log, abortable=False)
-    turn = Turn(slot, torch.nn.Identity())
-    slot.claim(turn)
-    turn.thread.start()
-    assert turn.running.wait(10.0)
+    slot, turn = _running(log, abortable=False)
     assert slot.preempt(lambda from_newest: from_newest) is False
     turn.thread.join(10.0)
     assert not turn.thread.is_alive()
     assert turn.ended is False  # the step in flight ended whole: never torn
+
+
+@pytest.mark.parametrize('abortable', [True, False])
+def test_a_replacing_preemption_ends_the_turn_uncommitted(abortable):
+    log = []
+    slot, turn = _running(log, abortable)
+    assert slot.preempt(lambda from_newest: from_newest, replaces=True) is True
+    turn.thread.join(10.0)
+    assert not turn.thread.is_alive() and slot.turn is None
+    assert log in ([('end', True, 'uncommitted')], [('end', False, 'uncommitted')])
+
+
+def test_a_failing_replacement_puts_the_newest_boundary_back_wherever_it_ran():
+    """Even between steps: the turn's end was not committed and the copy may have begun."""
+    for abortable in (True, False):
+        log = []
+        slot, turn = _running(log, abortable)
+        with pytest.raises(ValueError, match='copy failed'):
+            slot.preempt(_fail, replaces=True)
+        turn.thread.join(10.0)
+        assert log[-1] == 'recover' and len(log) == 2
+    idle = []
+    slot = _slot(idle)
+    with pytest.raises(ValueError):
+        slot.preempt(_fail, replaces=True)  # no turn: nothing was left uncommitted
+    assert idle == []
 
 
 def test_one_preemption_at_a_time():
