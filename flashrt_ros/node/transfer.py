@@ -36,11 +36,6 @@ WINDOW = 4
 MIN_RATE_BYTES_S = 64 << 10
 RATE_GRACE_S = 5.0
 MAX_SOURCES = 16  # cached clients of source nodes; the oldest go beyond this
-# The manifest request goes out once more when no answer came within this: a node that has
-# not yet discovered the client's reply reader drops its answer (rmw_fastrtps waits 100 ms
-# for the match), as a freshly started source can. The export a lost answer opened there is
-# dropped unread after a while (runtime/state/transfer.py, UNREAD_IDLE_S).
-MANIFEST_RESEND_S = 1.0
 
 
 class TransferFailed(Exception):
@@ -155,7 +150,7 @@ class CapsuleTransfer:
             shared = bool(self._node.get_parameter('transfer_shared_memory').value)
             request = ExportManifest.Request(name=goal.source_name,
                                              host_id=self._host if shared else '')
-            answer = _call(manifest_cli, request, source, limits, MANIFEST_RESEND_S)
+            answer = _call(manifest_cli, request, source, limits)
             if not answer.success:
                 raise TransferFailed(f'{source} refused the export: {answer.message}')
             manifest = Manifest(answer.export_id, goal.source_name, int(answer.total_bytes),
@@ -297,12 +292,8 @@ class CapsuleTransfer:
             pass
 
 
-def _call(client, request, source, limits, resend_after=None):
-    """
-    Call a source's service within the import's limits; return its answer.
-
-    resend_after: send the request once more when no answer came within that many seconds.
-    """
+def _call(client, request, source, limits):
+    """Call a source's service within the import's limits; return its answer."""
     wait, by_deadline = limits.next_wait()
     if not client.wait_for_service(timeout_sec=wait):
         if by_deadline:
@@ -310,21 +301,7 @@ def _call(client, request, source, limits, resend_after=None):
         raise TransferFailed(f'no node {source} serves {client.srv_name} (waited '
                              f'{wait:.1f} s): check the name, the namespace and that '
                              'both nodes share a ROS domain')
-    future = client.call_async(request)
-    if resend_after is not None and not _done_within(
-            future, min(resend_after, limits.next_wait()[0])) and limits.next_wait()[0] > 0:
-        client.remove_pending_request(future)  # a late answer to it is dropped
-        future = client.call_async(request)
-    return _wait(client, future, source, limits)
-
-
-def _done_within(future, seconds):
-    """Return whether `future` is done, waiting for it at most `seconds`."""
-    if future.done():
-        return True
-    done = threading.Event()
-    future.add_done_callback(lambda _: done.set())
-    return done.wait(seconds) or future.done()
+    return _wait(client, client.call_async(request), source, limits)
 
 
 def _wait(client, future, source, limits, staging=None):
@@ -332,7 +309,9 @@ def _wait(client, future, source, limits, staging=None):
     if future.done():  # a chunk that came while the one before was copied in
         return future.result()
     wait, by_deadline = limits.next_wait()
-    if _done_within(future, wait):
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    if done.wait(wait) or future.done():
         return future.result()
     client.remove_pending_request(future)
     if by_deadline:
