@@ -51,18 +51,21 @@ def meet() -> None:
             check(None, ())
 
 
-def end_turn(gen, torn: bool, commit: bool = True) -> bool:
+def end_turn(gen, torn: bool, commit: bool = True) -> tuple[bool, bool]:
     """
-    End `gen` for a waiting restore/rollback (lock held); return its run()'s `from_newest`.
+    End `gen` for a waiting restore/rollback (lock held); return (from_newest, owed).
 
-    True when the turn committed no end of its own, so a rollback counts from the newest
-    boundary: cut mid-step (torn), claimed and never started, or a conversation turn (the
-    state is replaced anyway: its end-of-turn tokens are not fed for nothing). commit
-    False: a restore replaces the state; its end would be dropped from the ring at once.
+    from_newest, for the run: True when the turn committed no end of its own, so a
+    rollback counts from the newest boundary: cut mid-step (torn), claimed and never
+    started, or a conversation turn (the state is replaced anyway: its end-of-turn tokens
+    are not fed for nothing). commit False: a restore replaces the state, which would drop
+    the turn's end from the ring at once; owed says whether an end was left out that
+    would have been committed (the writer commits it if the restore fails).
     """
-    from_newest = torn or not gen.started or gen.closes_turn or not commit
-    gen.finish('interrupted', commit=commit and not (torn or gen.closes_turn))
-    return from_newest
+    ends = not (torn or gen.closes_turn)
+    owed = ends and not commit and gen.started and gen.result is None
+    gen.finish('interrupted', commit=ends and commit)
+    return torn or not gen.started or gen.closes_turn or not commit, owed
 
 
 def recover_torn(rt) -> None:

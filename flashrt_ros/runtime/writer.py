@@ -95,15 +95,17 @@ class Request:
 class WriterSlot:
     """The step lock, the turn holding the slot, its stop flag and a waiting preemption."""
 
-    def __init__(self, commit: Callable[[], None], end_turn: Callable[[Any, bool], bool],
+    def __init__(self, commit: Callable[[], None],
+                 end_turn: Callable[[Any, bool, bool], tuple[bool, bool]],
                  recover_torn: Callable[[], None], abortable_steps: bool = True):
         """
         commit(): push the live state on the rollback ring (lock held).
 
-        end_turn(turn, torn, commit) ends `turn` for a preemption (committing its end only
-        if commit) and returns its run's from_newest; recover_torn() puts a half-updated
-        state back when a preemption that was to replace it fails. abortable_steps False:
-        steps are waited for, never abandoned (a policy's act()).
+        end_turn(turn, torn, commit) ends `turn` for a preemption and returns its run's
+        from_newest and whether it left out a commit of its end that it would have made
+        (commit False); recover_torn() puts a half-updated state back when a preemption
+        that was to replace it fails. abortable_steps False: steps are waited for, never
+        abandoned (a policy's act()).
         """
         self.lock = StepLock()
         self.turn = None
@@ -163,7 +165,7 @@ class WriterSlot:
         replaces: run puts a capsule's whole state in place of the live one (a restore).
         The turn it ends then commits no end of its own, which the restore would drop at
         once (its rows are past those the capsule shares with the live state); if run
-        fails, the newest committed boundary is put back (recover_torn).
+        fails, that end is committed then, as it would have been.
         """
         with self._preempting:
             request = Request(run, stages, replaces)
@@ -215,25 +217,35 @@ class WriterSlot:
         turn None: a call that holds no turn (a policy's act()) was abandoned. torn: a
         forward was abandoned half-way, so the turn ends uncommitted and the live state must
         be replaced; if the preemption fails anyway (it was checked before it was armed)
-        the last committed boundary is put back instead.
+        the last committed boundary is put back instead. A replacing preemption (see
+        preempt) ends the turn uncommitted too.
         """
         self._run(self._request, turn, torn)
         self._request = None  # served: a turn started before the caller wakes must not see it
 
     def _run(self, request: Request, turn, torn: bool) -> None:
-        """End `turn` (None: no turn) and run `request`; keep its result or error (lock held)."""
+        """
+        End `turn` (None: no turn) and run `request`; keep its result or error (lock held).
+
+        Done even when putting a state back fails: the caller must not run it again.
+        """
         request.stages['step_left'] = time.time()
-        from_newest = torn
+        from_newest, owed = torn, False
         if turn is not None:
-            from_newest = self._end_turn(turn, torn, not request.replaces)
+            from_newest, owed = self._end_turn(turn, torn, not request.replaces)
         try:
             request.result = request.run(from_newest)
             request.stages['copied'] = time.time()
-        except Exception as exc:
+        except BaseException as exc:
             request.error = exc
-            if torn or (request.replaces and turn is not None):
-                self._recover_torn()  # a boundary again, whatever the copy got to
-        request.done = True
+            if torn:
+                self._recover_torn()
+            elif owed:
+                self._commit()  # the state was not replaced: its end is a boundary after all
+            if not isinstance(exc, Exception):
+                raise  # e.g. KeyboardInterrupt: on this thread, as it came
+        finally:
+            request.done = True
 
 
 def lend_priority(tid: int) -> Callable[[], None] | None:

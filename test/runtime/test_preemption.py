@@ -241,6 +241,26 @@ def test_a_restore_that_ends_a_turn_commits_nothing_it_would_drop(make_runtime):
     assert drops == drops_b - 1  # the turn's end: never committed, so never dropped
 
 
+def test_a_failed_preempting_restore_leaves_the_turns_end_committed(make_runtime, monkeypatch):
+    """Failed after it was armed (nothing copied): the state is the turn's, a boundary."""
+    rt = make_runtime(rollback_depth=8)
+    rt.prefill(PROMPT)
+    rt.snapshot('home')
+    gen = rt.generate(prompt=OTHER, max_new_tokens=50, stop=(), eos=False)
+    next(gen), next(gen)
+    live, count = rt.state_digest(), rt.stats().rollback_ring.count
+
+    def fail(*args):
+        raise RuntimeError('the copy could not start')
+    monkeypatch.setattr(rt, '_restore_checked', fail)
+    with pytest.raises(RuntimeError, match='could not start'):
+        rt.restore('home', preempt=True)  # between two steps, on this thread
+    monkeypatch.undo()
+    assert gen.result.stop_reason == 'interrupted' and not rt.generating
+    assert rt.state_digest() == live
+    assert rt.stats().rollback_ring.count == count + 1  # the turn's end, as before a restore
+
+
 @pytest.mark.parametrize('served_by', ['caller', 'turn'])
 def test_preempting_rollback_of_an_unstarted_turn_undoes_nothing_before_it(make_runtime,
                                                                            served_by):
