@@ -220,8 +220,10 @@ class WriterSlot:
         the last committed boundary is put back instead. A replacing preemption (see
         preempt) ends the turn uncommitted too.
         """
-        self._run(self._request, turn, torn)
-        self._request = None  # served: a turn started before the caller wakes must not see it
+        try:
+            self._run(self._request, turn, torn)
+        finally:
+            self._request = None  # served: a turn started before the caller wakes must not see it
 
     def _run(self, request: Request, turn, torn: bool) -> None:
         """
