@@ -161,15 +161,16 @@ def test_a_conversation_travels_but_not_in_the_manifest(make_runtime, tmp_path):
     # The embedded default has a chat template: the prompt is the conversation's system turn.
     sender = make_runtime('default', capsule_dir=str(tmp_path / 'sender'))
     receiver = make_runtime('default', capsule_dir=str(tmp_path / 'receiver'))
-    secret = 'The door code is 4711.'
+    # A word no checksum, stamp or size in the header can spell by chance (digits can).
+    secret = 'The door code is xylophone.'
     sender.prefill(secret)
     sender.snapshot('ctx', 'host')
     conversation = sender.conversation
     manifest = sender.export_capsule('ctx')
-    assert '4711' not in manifest.header_json
+    assert 'xylophone' not in manifest.header_json
     _move(sender, receiver, manifest)
     receiver.restore('got')
-    assert receiver.conversation == conversation and '4711' in str(conversation)
+    assert receiver.conversation == conversation and 'xylophone' in str(conversation)
 
 
 def test_exports_expire_when_idle_and_are_bounded(local_dir):
