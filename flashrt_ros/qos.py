@@ -13,9 +13,8 @@ STREAM_QOS = QoSProfile(depth=100, **_RELIABLE)
 # chunks of a fast turn for a consumer that takes a few ms per chunk. Transient local: a new
 # client's reader can see the node's writer before the writer has seen the reader, and its
 # first goal's first chunks, sent in between, reach it once the writer has.
-FEEDBACK_QOS = QoSProfile(depth=100, history=HistoryPolicy.KEEP_LAST,
-                          reliability=ReliabilityPolicy.RELIABLE,
-                          durability=DurabilityPolicy.TRANSIENT_LOCAL)
+FEEDBACK_QOS = QoSProfile(depth=100,
+                          **dict(_RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL))
 # ~/interrupt: an interrupt (e-stop, barge-in) is never dropped, even in a burst while the
 # state group is busy. Publishers must be RELIABLE too.
 INTERRUPT_QOS = QoSProfile(depth=1000, **_RELIABLE)

@@ -65,7 +65,7 @@ def end_turn(gen, torn: bool, commit: bool = True) -> tuple[bool, bool]:
     ends = not (torn or gen.closes_turn)
     owed = ends and not commit and gen.started and gen.result is None
     gen.finish('interrupted', commit=ends and commit)
-    return torn or not gen.started or gen.closes_turn or not commit, owed
+    return not (ends and commit and gen.started), owed
 
 
 def recover_torn(rt) -> None:

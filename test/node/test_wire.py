@@ -54,6 +54,7 @@ def test_what_it_cannot_read_goes_to_rclpy():
     data = serialize_message(Interrupt(mode=3, capsule='home', reason='why'))
     xcdr2 = b'\x00\x07' + data[2:]
     assert _read(xcdr2) is None
+    assert interrupt_fields(xcdr2) == (3, 0, 'home', 'why')  # rclpy reads it instead
     for cut in (len(data) - 1, 14, 3, 0):
         assert _read(data[:cut]) is None, cut
     too_long = bytearray(data)
