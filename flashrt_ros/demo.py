@@ -32,8 +32,10 @@ CORRECTION = ('no, put it in the box', 'red cup', 'box')  # "it": the red cup, s
 PLAN_TOKENS = 200  # a plan is about 150 bytes (one token each) and ends the turn itself
 INTERRUPTS = 20  # barge-ins timed (each a turn interrupted mid-reply)
 # The control path as a robot would run it (docs/setup.md): SCHED_FIFO for the control
-# thread (refused without rtprio: a warning, normal priority) and a core left to it.
-ROBOT_SETTINGS = {'control_priority': 50, 'compute_threads': max(1, (os.cpu_count() or 2) - 1)}
+# thread, a core left to it, idle cores kept out of sleep states (refused without rtprio or
+# access to /dev/cpu_dma_latency: a warning, and it runs on without).
+ROBOT_SETTINGS = {'control_priority': 50, 'compute_threads': max(1, (os.cpu_count() or 2) - 1),
+                  'cpu_latency_us': 0}
 
 
 class _Report:

@@ -41,10 +41,12 @@ LIST_HZ = 20.0  # the ~/list_capsules client beside the interrupts
 BLOCK = 25  # interrupts in a row on one node before the other node's turn
 # The nodes whose interrupts are timed side by side (label, node name, parameters): the
 # control path as configured by default (its own wait set); the same with the robot settings
-# (SCHED_FIFO for the control thread, one core left to it and the middleware); a
+# (SCHED_FIFO for the control thread, one core left to it and the middleware, idle cores kept
+# awake: that request is system-wide, so the other nodes of the run have it too); a
 # SingleThreadedExecutor on that thread with the robot settings; and the node's own executor
 # taking ~/interrupt beside everything else, as before the control path existed.
-RT = {'control_priority': 50, 'compute_threads': max(1, (os.cpu_count() or 2) - 1)}
+RT = {'control_priority': 50, 'compute_threads': max(1, (os.cpu_count() or 2) - 1),
+      'cpu_latency_us': 0}
 CONTROLS = (
     ('waitset', 'flashrt', {'control_executor': 'waitset'}),
     ('waitset_rt', 'flashrt_rt', dict(RT, control_executor='waitset')),

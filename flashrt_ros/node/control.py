@@ -34,6 +34,7 @@ order.
 import contextlib
 import functools
 import os
+import struct
 import threading
 import time
 
@@ -55,6 +56,7 @@ WAIT_TIMEOUT_NS = 200_000_000  # the wait loop looks at stop() and the context t
 # Names of the threads that receive messages: Fast DDS (shared memory, UDP; not its
 # shared-memory watchdog), Cyclone DDS.
 RECEIVE_THREADS = ('dds.shm.', 'dds.udp.', 'recv')
+CPU_LATENCY_FILE = '/dev/cpu_dma_latency'  # Linux's CPU latency QoS, held while it is open
 # rclpy passes a MessageInfo (the middleware's receipt time) to two-argument subscription
 # callbacks from Iron on; Humble calls callback(msg), and the receipt is then "now".
 _MESSAGE_INFO = hasattr(Subscription, 'CallbackType')
@@ -91,6 +93,7 @@ class ControlPath:
         self._on_interrupt, self._on_reset = on_interrupt, on_reset
         self._executor = None
         self._thread = None
+        self._latency_fd = None  # the CPU latency request (start), dropped by stop
         self._stopping = False
         self._barrier = None
         self._barrier_lock = threading.Lock()
@@ -112,8 +115,22 @@ class ControlPath:
             # Woken by barrier() and stop(): runs after the messages of the same wake-up.
             self._wake = self.host.create_guard_condition(self._barrier_callback)
 
-    def start(self, logger, stopping, priority=0):
-        """Take the control topics on a thread of their own (nothing to do for 'shared')."""
+    def start(self, logger, stopping, priority=0, cpu_latency_us=-1):
+        """
+        Take the control topics on a thread of their own (nothing to do for 'shared').
+
+        cpu_latency_us >= 0 holds a CPU latency request (hold_cpu_latency) until stop(),
+        whatever the kind.
+        """
+        if cpu_latency_us >= 0:
+            try:
+                self._latency_fd = hold_cpu_latency(cpu_latency_us)
+                logger.info(f'cpu_latency_us {cpu_latency_us}: idle CPUs stay in states they '
+                            f'leave within {cpu_latency_us} us while the node runs')
+            except OSError as exc:
+                logger.warning(f'cpu_latency_us {cpu_latency_us}: {CPU_LATENCY_FILE} refused '
+                               f'({exc}); idle CPUs keep their sleep states (run as root or '
+                               'give the node write access to it: docs/setup.md)')
         if self.kind == 'shared':
             return
         if self.kind == 'single':
@@ -255,6 +272,9 @@ class ControlPath:
             self._thread.join(timeout=2.0)
         if self.host is not self._node:
             self.host.destroy_node()
+        fd, self._latency_fd = self._latency_fd, None
+        if fd is not None:
+            os.close(fd)  # drops the request
 
 
 def raise_receive_threads(priority, prefixes=RECEIVE_THREADS):
@@ -276,6 +296,25 @@ def raise_receive_threads(priority, prefixes=RECEIVE_THREADS):
         except (OSError, AttributeError):  # gone meanwhile, or no permission
             continue
     return sorted(raised)
+
+
+def hold_cpu_latency(us):
+    """
+    Keep every CPU out of idle states slower than `us` microseconds to leave; return the fd.
+
+    The request holds until the fd is closed (or the process ends). A control thread woken
+    from a core in a deep sleep state (on a VM: a halted vCPU the host must run again) starts
+    tens of microseconds later, at each hand-off of an interrupt's path; 0 keeps idle cores
+    polling, at the price of their power. Raises OSError where refused (the file is root's
+    by default) or absent.
+    """
+    fd = os.open(CPU_LATENCY_FILE, os.O_WRONLY)
+    try:
+        os.write(fd, struct.pack('=i', us))
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _empty(data):

@@ -104,7 +104,7 @@ class FlashRTNode(LifecycleNode):
                                     self._interrupt_callback, self._reset_callback,
                                     interrupt_events, group=ordered)
         self._control.start(self.get_logger(), lambda: not self.context.ok(),
-                            self._param('control_priority'))
+                            self._param('control_priority'), self._param('cpu_latency_us'))
         self.create_subscription(String, '~/prompt', self._prompt_callback, COMMAND_QOS,
                                  callback_group=ordered)
         self._inputs = None  # the mode's own subscriptions (inputs.py), while configured

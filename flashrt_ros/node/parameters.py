@@ -26,7 +26,7 @@ RUNTIME_PARAMS = tuple(f.name for f in dataclasses.fields(RuntimeConfig))
 READ_ONLY = ('model', 'device', 'capsule_dir', 'device_budget_bytes', 'host_budget_bytes',
              'disk_budget_bytes', 'max_seq_len', 'rollback_depth', 'ring_budget_bytes',
              'eviction', 'home_capsule', 'protect_home', 'control_executor', 'control_priority',
-             'compute_threads', 'export_allowed', 'dtype', 'system_prompt')
+             'cpu_latency_us', 'compute_threads', 'export_allowed', 'dtype', 'system_prompt')
 EXPORT_POLICIES = ('unpinned', 'all', 'none')
 # Each node keeps its disk capsules apart: {node} is its fully qualified name.
 DEFAULT_CAPSULE_DIR = '~/.cache/flashrt_ros/capsules/{node}'
@@ -168,6 +168,12 @@ PARAMETERS = (
           'one below it, the generation thread at nice -10); 0 keeps the normal policy. Needs '
           'CAP_SYS_NICE or rtprio and nice limits (refused: a warning, normal priority).',
           integer=(0, 99)),
+    Param('cpu_latency_us', -1,
+          'Microseconds an idle CPU may take to wake while the node runs (a Linux CPU latency '
+          'request on /dev/cpu_dma_latency, system-wide, held until the node ends); 0 keeps '
+          'idle cores out of sleep states, so the control thread wakes at once, at the price '
+          'of their power; -1 leaves the system as it is. Needs write access to the file '
+          '(refused: a warning).', integer=(-1, 2_000_000)),
     Param('interrupt_timeout', 5.0,
           'Seconds ~/interrupt, ~/reset and deactivate wait for the generation to reach a step '
           'boundary.', floating=(0.01, 600.0)),

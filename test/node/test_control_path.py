@@ -2,12 +2,13 @@
 
 import contextlib
 import os
+import struct
 import threading
 import time
 
 from flashrt_ros.msg import Interrupt
 from flashrt_ros.node.control import CONTROL_EXECUTORS, ControlPath, raise_receive_threads
-from flashrt_ros.node.control import RECEIVE_THREADS
+from flashrt_ros.node.control import CPU_LATENCY_FILE, RECEIVE_THREADS
 from flashrt_ros.qos import COMMAND_QOS, INTERRUPT_QOS
 from flashrt_ros.spin import spin_until_shutdown
 from node_harness import wait_until
@@ -26,6 +27,9 @@ class _Log:
     def __init__(self):
         self.lines = []
 
+    def info(self, text):
+        self.lines.append(('info', text))
+
     def warning(self, text):
         self.lines.append(('warning', text))
 
@@ -36,7 +40,7 @@ class _Log:
 class _Harness:
     """A node with its control path of `kind`, a sender node, and what the path applied."""
 
-    def __init__(self, kind, name):
+    def __init__(self, kind, name, cpu_latency_us=-1):
         self.context = rclpy.Context()
         rclpy.init(context=self.context, signal_handler_options=SignalHandlerOptions.NO)
         self.node = rclpy.create_node(name, context=self.context)
@@ -58,7 +62,7 @@ class _Harness:
         self.spinner = threading.Thread(target=spin_until_shutdown, daemon=True, args=(
             self.executor, self.log, self.stopping.is_set))
         self.spinner.start()
-        self.path.start(self.log, self.stopping.is_set)
+        self.path.start(self.log, self.stopping.is_set, cpu_latency_us=cpu_latency_us)
         self.interrupts = self.sender.create_publisher(Interrupt, f'/{name}/interrupt',
                                                        INTERRUPT_QOS)
         self.resets = self.sender.create_publisher(Empty, f'/{name}/reset', COMMAND_QOS)
@@ -199,3 +203,28 @@ def test_control_priority_raises_the_middleware_receive_threads():
             with contextlib.suppress(OSError):
                 os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
         harness.close()
+
+
+def _cpu_latency_now():
+    """Return the CPU latency bound in force now (us): the least of every request held."""
+    with open(CPU_LATENCY_FILE, 'rb') as f:
+        return struct.unpack('=i', f.read(4))[0]
+
+
+@pytest.mark.parametrize('kind', CONTROL_EXECUTORS)
+def test_cpu_latency_is_requested_until_the_path_stops(kind):
+    if not os.access(CPU_LATENCY_FILE, os.R_OK | os.W_OK):  # refused: said, and it runs on
+        harness = _Harness(kind, f'control_latency_{kind}', cpu_latency_us=7)
+        harness.close()
+        assert [level for level, text in harness.log.lines
+                if 'cpu_latency_us 7' in text and 'refused' in text] == ['warning']
+        return
+    before = _cpu_latency_now()
+    harness = _Harness(kind, f'control_latency_{kind}', cpu_latency_us=7)
+    try:
+        assert _cpu_latency_now() == min(before, 7)
+        assert any('cpu_latency_us 7' in text for level, text in harness.log.lines
+                   if level == 'info')
+    finally:
+        harness.close()
+    assert _cpu_latency_now() == before
