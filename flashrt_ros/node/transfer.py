@@ -17,6 +17,7 @@ import array
 import collections
 import threading
 import time
+import uuid
 
 from flashrt_ros.action import ImportCapsule
 from flashrt_ros.qos import FEEDBACK_QOS
@@ -36,6 +37,13 @@ WINDOW = 4
 MIN_RATE_BYTES_S = 64 << 10
 RATE_GRACE_S = 5.0
 MAX_SOURCES = 16  # cached clients of source nodes; the oldest go beyond this
+# The receiver sends its manifest request once more, with the same request_id, when no
+# answer came within this: a node that has not yet discovered the receiver's reply reader
+# drops its answer (rmw_fastrtps waits 100 ms for the match), as a freshly started sender
+# can. The sender answers the repeat with the export it opened for the first (_Answers).
+MANIFEST_RESEND_S = 1.0
+ANSWERS_KEPT = 32  # manifest answers a sender keeps by request_id
+ANSWER_WAIT_S = 60.0  # a repeat waits this long at most for the first request's answer
 
 
 class TransferFailed(Exception):
@@ -51,6 +59,7 @@ class CapsuleTransfer:
         self._clients = collections.OrderedDict()  # source node -> (manifest, chunk) clients
         self._clients_lock = threading.Lock()
         self._importing = threading.Lock()  # held from goal acceptance to its result
+        self._answers = _Answers()
         self._host = host_id()
         node.create_service(ExportManifest, '~/export_manifest', self._manifest_callback,
                             callback_group=self._group)
@@ -73,6 +82,22 @@ class CapsuleTransfer:
     # ---- the sender --------------------------------------------------------------------
 
     def _manifest_callback(self, request, response):
+        if not request.request_id:
+            return self._open_export(request, response)
+        answer, first = self._answers.of(request)
+        if first:
+            try:
+                answer.response = self._open_export(request, response)
+            finally:
+                answer.done.set()
+        elif not answer.done.wait(ANSWER_WAIT_S) or answer.response is None:
+            response.success = False
+            response.message = (f'the first request {request.request_id!r} for {request.name!r} '
+                                'is still being answered or failed; start the import again')
+            return response
+        return answer.response
+
+    def _open_export(self, request, response):
         rt = self._runtime(response)
         if rt is None:
             return response
@@ -149,8 +174,9 @@ class CapsuleTransfer:
             manifest_cli, chunk_cli = self._clients_of(source)
             shared = bool(self._node.get_parameter('transfer_shared_memory').value)
             request = ExportManifest.Request(name=goal.source_name,
-                                             host_id=self._host if shared else '')
-            answer = _call(manifest_cli, request, source, limits)
+                                             host_id=self._host if shared else '',
+                                             request_id=uuid.uuid4().hex)
+            answer = _call(manifest_cli, request, source, limits, MANIFEST_RESEND_S)
             if not answer.success:
                 raise TransferFailed(f'{source} refused the export: {answer.message}')
             manifest = Manifest(answer.export_id, goal.source_name, int(answer.total_bytes),
@@ -242,7 +268,7 @@ class CapsuleTransfer:
                 pending.append((next_offset, length, chunk_cli.call_async(request)))
                 next_offset += length
             offset, length, future = pending.popleft()
-            answer = _wait(chunk_cli, future, source, limits, staging)
+            answer = _wait(chunk_cli, [future], source, limits, staging)
             if not answer.success:
                 raise TransferFailed(f'{source} stopped serving the export: {answer.message}')
             if len(answer.data) != length:
@@ -292,8 +318,13 @@ class CapsuleTransfer:
             pass
 
 
-def _call(client, request, source, limits):
-    """Call a source's service within the import's limits; return its answer."""
+def _call(client, request, source, limits, resend_after=None):
+    """
+    Call a source's service within the import's limits; return its answer.
+
+    resend_after: send the request once more when no answer came within that many seconds,
+    and take whichever answer comes first (the request must be safe to repeat).
+    """
     wait, by_deadline = limits.next_wait()
     if not client.wait_for_service(timeout_sec=wait):
         if by_deadline:
@@ -301,23 +332,69 @@ def _call(client, request, source, limits):
         raise TransferFailed(f'no node {source} serves {client.srv_name} (waited '
                              f'{wait:.1f} s): check the name, the namespace and that '
                              'both nodes share a ROS domain')
-    return _wait(client, client.call_async(request), source, limits)
+    futures = [client.call_async(request)]
+    if resend_after is not None and limits.next_wait()[0] > resend_after and not _done_within(
+            futures, resend_after):
+        futures.append(client.call_async(request))
+    return _wait(client, futures, source, limits)
 
 
-def _wait(client, future, source, limits, staging=None):
-    """Return the answer, waiting at most transfer_timeout and not past the deadline."""
-    if future.done():  # a chunk that came while the one before was copied in
-        return future.result()
-    wait, by_deadline = limits.next_wait()
+def _done_within(futures, seconds):
+    """Return whether one of `futures` is done, waiting for it at most `seconds`."""
+    if any(future.done() for future in futures):
+        return True
     done = threading.Event()
-    future.add_done_callback(lambda _: done.set())
-    if done.wait(wait) or future.done():
-        return future.result()
-    client.remove_pending_request(future)
+    for future in futures:
+        future.add_done_callback(lambda _: done.set())
+    return done.wait(seconds) or any(future.done() for future in futures)
+
+
+def _wait(client, futures, source, limits, staging=None):
+    """
+    Return the first answer of `futures`, waiting at most transfer_timeout, not past the deadline.
+
+    The others are dropped from the client (an answer to them is ignored).
+    """
+    wait, by_deadline = limits.next_wait()
+    answered = _done_within(futures, wait)
+    for future in futures:
+        if not future.done():
+            client.remove_pending_request(future)
+    if answered:
+        return next(future for future in futures if future.done()).result()
     if by_deadline:
         raise _past_deadline(source, staging, limits.deadline)
     raise TransferFailed(f'{source} did not answer within {wait:.1f} s (the node '
                          'stopped or the network is gone)')
+
+
+class _Answers:
+    """A sender's answers to recent manifest requests, found again by their request_id."""
+
+    def __init__(self, size=ANSWERS_KEPT):
+        self._size = size
+        self._lock = threading.Lock()
+        self._answers = collections.OrderedDict()  # (request_id, name, host_id) -> _Answer
+
+    def of(self, request):
+        """Return (the answer to `request`, whether this is the first request with its id)."""
+        key = (request.request_id, request.name, request.host_id)
+        with self._lock:
+            answer = self._answers.get(key)
+            if answer is not None:
+                return answer, False
+            answer = self._answers[key] = _Answer()
+            while len(self._answers) > self._size:
+                self._answers.popitem(last=False)
+            return answer, True
+
+
+class _Answer:
+    """One manifest request's response, once `done` is set (None: it failed)."""
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.response = None
 
 
 class _Limits:

@@ -166,11 +166,15 @@ class _Tamperer:
     It serves the same two services under its own node name, so the receiver runs its real
     receive path against bytes that went bad in transit. short=True: it drops the last 3
     bytes of the first chunk instead; delay: it waits that long before each chunk (and
-    changes nothing).
+    changes nothing); flip=False: it changes nothing either.
     """
 
-    def __init__(self, short=False, delay=0.0):
+    def __init__(self, short=False, delay=0.0, flip=True):
         self.short, self.delay = short, delay
+        self.flip = flip and not (short or delay)
+        self.manifests = 0  # manifest requests that reached the relay
+        self.export_ids = []  # of the manifest answers it had from the left node
+        self.lose_next = ''  # 'request': never forward the next one; 'answer': never return it
         import rclpy
         from flashrt_ros.srv import ExportChunk, ExportManifest
         from rclpy.callback_groups import ReentrantCallbackGroup
@@ -230,8 +234,15 @@ class _Tamperer:
         return future.result()
 
     def _relay_manifest(self, request, response):
-        answer = self._forward(self._manifest, request)
-        self.total = answer.total_bytes
+        self.manifests += 1
+        lose, self.lose_next = self.lose_next, ''
+        if lose != 'request':
+            answer = self._forward(self._manifest, request)
+            self.export_ids.append(answer.export_id)
+            self.total = answer.total_bytes
+        if lose:
+            self._closed.wait()  # this call's answer never leaves
+            return response
         return answer
 
     def _relay_chunk(self, request, response):
@@ -242,8 +253,7 @@ class _Tamperer:
         if self.short and answer.success and request.offset == 0:
             answer.data = array.array('B', answer.data)[:-3]
             self.flipped += 1
-        elif (answer.success and len(answer.data) and end == self.total and not self.short
-              and not self.delay):
+        elif answer.success and len(answer.data) and end == self.total and self.flip:
             data = array.array('B', answer.data)
             data[-10] ^= 0x01  # one bit of the state bytes, near the end
             answer.data = data
@@ -301,6 +311,28 @@ def test_a_chunk_of_the_wrong_length_is_refused_saying_so(nodes, context):
     chunk = DEFAULT_CHUNK_BYTES  # the receiver's transfer_chunk_bytes
     assert f'sent {chunk - 3} bytes for the chunk of {chunk} bytes at offset 0' in result.message
     assert _listing(right) == before and right.state_digest() == digest
+
+
+@pytest.mark.parametrize('lost', ['request', 'answer'])
+def test_a_manifest_request_without_answer_is_sent_again(nodes, context, lost):
+    clients, _ = nodes
+    right = clients[RIGHT]
+    tamperer = _Tamperer(flip=False)
+    tamperer.warm(right)
+    tamperer.manifests, tamperer.export_ids, tamperer.lose_next = 0, [], lost
+    assert set_parameter(right, 'transfer_timeout', 15.0).successful
+    try:
+        with _dds_chunks(right):
+            result = right.import_capsule('/tamper/flashrt', 'ctx', name='again', tier='host')
+    finally:
+        set_parameter(right, 'transfer_timeout', MODEL['transfer_timeout'])
+        tamperer.close()
+    assert result.success, result.message
+    assert tamperer.manifests == 2  # the first one unanswered, sent again after a second
+    # The sender answered the repeat with the export it opened for the lost answer.
+    assert len(tamperer.export_ids) == {'request': 1, 'answer': 2}[lost]
+    assert len(set(tamperer.export_ids)) == 1
+    assert right.delete_capsule('again').success
 
 
 def test_a_dripping_sender_is_given_up_at_the_deadline(nodes, context):
