@@ -122,11 +122,11 @@ class ControlPath:
         cpu_latency_us >= 0 holds a CPU latency request (hold_cpu_latency) until stop(),
         whatever the kind.
         """
-        if cpu_latency_us >= 0:
+        if cpu_latency_us >= 0 and self._latency_fd is None:
             try:
                 self._latency_fd = hold_cpu_latency(cpu_latency_us)
                 logger.info(f'cpu_latency_us {cpu_latency_us}: idle CPUs stay in states they '
-                            f'leave within {cpu_latency_us} us while the node runs')
+                            f'leave within {cpu_latency_us} us until the node is destroyed')
             except OSError as exc:
                 logger.warning(f'cpu_latency_us {cpu_latency_us}: {CPU_LATENCY_FILE} refused '
                                f'({exc}); idle CPUs keep their sleep states (run as root or '
@@ -262,7 +262,10 @@ class ControlPath:
         self._on_reset(msg, received_time(msg_info), callback_at)
 
     def stop(self):
-        """Stop the thread that takes the topics; destroy the hidden node."""
+        """Drop the CPU latency request; stop the thread that takes the topics and its node."""
+        fd, self._latency_fd = self._latency_fd, None
+        if fd is not None:
+            os.close(fd)  # drops the request
         self._stopping = True
         if self._executor is not None:
             self._executor.shutdown(timeout_sec=2.0)
@@ -272,9 +275,6 @@ class ControlPath:
             self._thread.join(timeout=2.0)
         if self.host is not self._node:
             self.host.destroy_node()
-        fd, self._latency_fd = self._latency_fd, None
-        if fd is not None:
-            os.close(fd)  # drops the request
 
 
 def raise_receive_threads(priority, prefixes=RECEIVE_THREADS):

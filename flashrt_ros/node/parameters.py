@@ -169,11 +169,12 @@ PARAMETERS = (
           'CAP_SYS_NICE or rtprio and nice limits (refused: a warning, normal priority).',
           integer=(0, 99)),
     Param('cpu_latency_us', -1,
-          'Microseconds an idle CPU may take to wake while the node runs (a Linux CPU latency '
-          'request on /dev/cpu_dma_latency, system-wide, held until the node ends); 0 keeps '
-          'idle cores out of sleep states, so the control thread wakes at once, at the price '
-          'of their power; -1 leaves the system as it is. Needs write access to the file '
-          '(refused: a warning).', integer=(-1, 2_000_000)),
+          'Microseconds an idle CPU may take to wake (a Linux CPU latency request on '
+          "/dev/cpu_dma_latency, system-wide, held from the node's start until it is "
+          'destroyed, in every lifecycle state); 0 keeps idle cores out of sleep states, so '
+          "the control path's threads wake at once, at the price of their power; -1 leaves "
+          'the system as it is. Needs write access to the file (refused: a warning).',
+          integer=(-1, 2_000_000)),
     Param('interrupt_timeout', 5.0,
           'Seconds ~/interrupt, ~/reset and deactivate wait for the generation to reach a step '
           'boundary.', floating=(0.01, 600.0)),

@@ -43,7 +43,9 @@ MAX_SOURCES = 16  # cached clients of source nodes; the oldest go beyond this
 # can. The sender answers the repeat with the export it opened for the first (_Answers).
 MANIFEST_RESEND_S = 1.0
 ANSWERS_KEPT = 32  # manifest answers a sender keeps by request_id
-ANSWER_WAIT_S = 60.0  # a repeat waits this long at most for the first request's answer
+# A repeat waits this long at most for the first request's answer (the longest
+# transfer_timeout); one repeat per request waits, holding a thread of the node's executor.
+ANSWER_WAIT_S = 600.0
 
 
 class TransferFailed(Exception):
@@ -82,20 +84,7 @@ class CapsuleTransfer:
     # ---- the sender --------------------------------------------------------------------
 
     def _manifest_callback(self, request, response):
-        if not request.request_id:
-            return self._open_export(request, response)
-        answer, first = self._answers.of(request)
-        if first:
-            try:
-                answer.response = self._open_export(request, response)
-            finally:
-                answer.done.set()
-        elif not answer.done.wait(ANSWER_WAIT_S) or answer.response is None:
-            response.success = False
-            response.message = (f'the first request {request.request_id!r} for {request.name!r} '
-                                'is still being answered or failed; start the import again')
-            return response
-        return answer.response
+        return self._answers.answer(request, response, self._open_export)
 
     def _open_export(self, request, response):
         rt = self._runtime(response)
@@ -323,7 +312,7 @@ def _call(client, request, source, limits, resend_after=None):
     Call a source's service within the import's limits; return its answer.
 
     resend_after: send the request once more when no answer came within that many seconds,
-    and take whichever answer comes first (the request must be safe to repeat).
+    and take the first successful answer of the two (the request must be safe to repeat).
     """
     wait, by_deadline = limits.next_wait()
     if not client.wait_for_service(timeout_sec=wait):
@@ -332,40 +321,55 @@ def _call(client, request, source, limits, resend_after=None):
         raise TransferFailed(f'no node {source} serves {client.srv_name} (waited '
                              f'{wait:.1f} s): check the name, the namespace and that '
                              'both nodes share a ROS domain')
+    sent = time.monotonic()
     futures = [client.call_async(request)]
-    if resend_after is not None and limits.next_wait()[0] > resend_after and not _done_within(
-            futures, resend_after):
+    if resend_after is not None and limits.next_wait()[0] > resend_after and _answer_of(
+            futures, time.monotonic() + resend_after) is None:
         futures.append(client.call_async(request))
-    return _wait(client, futures, source, limits)
+    return _wait(client, futures, source, limits, since=sent)
 
 
-def _done_within(futures, seconds):
-    """Return whether one of `futures` is done, waiting for it at most `seconds`."""
-    if any(future.done() for future in futures):
-        return True
-    done = threading.Event()
-    for future in futures:
-        future.add_done_callback(lambda _: done.set())
-    return done.wait(seconds) or any(future.done() for future in futures)
-
-
-def _wait(client, futures, source, limits, staging=None):
+def _wait(client, futures, source, limits, staging=None, since=None):
     """
-    Return the first answer of `futures`, waiting at most transfer_timeout, not past the deadline.
+    Return the first successful answer of `futures` (or, all failed, the first failure).
 
-    The others are dropped from the client (an answer to them is ignored).
+    Waits at most transfer_timeout from `since` (default: now), not past the deadline; the
+    futures left unanswered are dropped from the client (an answer to them is ignored).
     """
     wait, by_deadline = limits.next_wait()
-    answered = _done_within(futures, wait)
+    answer = _answer_of(futures, (since or time.monotonic()) + wait)
     for future in futures:
         if not future.done():
             client.remove_pending_request(future)
-    if answered:
-        return next(future for future in futures if future.done()).result()
+    if answer is not None:
+        return answer
     if by_deadline:
         raise _past_deadline(source, staging, limits.deadline)
     raise TransferFailed(f'{source} did not answer within {wait:.1f} s (the node '
                          'stopped or the network is gone)')
+
+
+def _answer_of(futures, until):
+    """
+    Return the first successful answer of `futures`, else the first failure once all are done.
+
+    None when time.monotonic() reaches `until` before either.
+    """
+    changed = threading.Event()
+    for future in futures:
+        if not future.done():
+            future.add_done_callback(lambda _: changed.set())
+    expired = False
+    while True:
+        changed.clear()  # before the look: a future done after it sets it again
+        answers = [future.result() for future in futures if future.done()]
+        best = next((answer for answer in answers if answer.success), None)
+        if best is not None or len(answers) == len(futures):
+            return best or answers[0]
+        if expired:
+            return None
+        left = until - time.monotonic()
+        expired = left <= 0 or not changed.wait(left)
 
 
 class _Answers:
@@ -376,25 +380,57 @@ class _Answers:
         self._lock = threading.Lock()
         self._answers = collections.OrderedDict()  # (request_id, name, host_id) -> _Answer
 
-    def of(self, request):
-        """Return (the answer to `request`, whether this is the first request with its id)."""
+    def answer(self, request, response, compute):
+        """
+        Return compute(request, response), or for a repeat the answer its first request got.
+
+        A request without request_id is always computed. A repeat that comes while the first
+        is still computed waits for it (one repeat at a time; another is refused at once).
+        """
+        if not request.request_id:
+            return compute(request, response)
         key = (request.request_id, request.name, request.host_id)
         with self._lock:
             answer = self._answers.get(key)
-            if answer is not None:
-                return answer, False
-            answer = self._answers[key] = _Answer()
-            while len(self._answers) > self._size:
-                self._answers.popitem(last=False)
-            return answer, True
+            first = answer is None
+            if first:
+                answer = self._answers[key] = _Answer()
+                while len(self._answers) > self._size:
+                    self._answers.popitem(last=False)
+            elif not answer.done.is_set():
+                if answer.waiting:
+                    return _refused(response, request, 'is already waited for')
+                answer.waiting = True
+        if first:
+            try:
+                answer.response = compute(request, response)
+            finally:
+                answer.done.set()
+            return answer.response
+        try:
+            answer.done.wait(ANSWER_WAIT_S)
+        finally:
+            answer.waiting = False
+        if answer.response is None:
+            return _refused(response, request, 'failed or is still being answered')
+        return answer.response
 
 
 class _Answer:
-    """One manifest request's response, once `done` is set (None: it failed)."""
+    """One manifest request's response, once `done` is set (None: computing it failed)."""
 
     def __init__(self):
         self.done = threading.Event()
+        self.waiting = False  # a repeat waits for done
         self.response = None
+
+
+def _refused(response, request, why):
+    """Return `response` saying that the repeat `request` gets no answer, and why."""
+    response.success = False
+    response.message = (f'the first request {request.request_id!r} for {request.name!r} {why}; '
+                        'start the import again')
+    return response
 
 
 class _Limits:

@@ -213,18 +213,21 @@ def _cpu_latency_now():
 
 @pytest.mark.parametrize('kind', CONTROL_EXECUTORS)
 def test_cpu_latency_is_requested_until_the_path_stops(kind):
-    if not os.access(CPU_LATENCY_FILE, os.R_OK | os.W_OK):  # refused: said, and it runs on
-        harness = _Harness(kind, f'control_latency_{kind}', cpu_latency_us=7)
-        harness.close()
-        assert [level for level, text in harness.log.lines
-                if 'cpu_latency_us 7' in text and 'refused' in text] == ['warning']
-        return
-    before = _cpu_latency_now()
     harness = _Harness(kind, f'control_latency_{kind}', cpu_latency_us=7)
+    fd = harness.path._latency_fd
     try:
-        assert _cpu_latency_now() == min(before, 7)
+        if not os.access(CPU_LATENCY_FILE, os.W_OK):  # refused: said, and it runs on
+            assert fd is None
+            assert [level for level, text in harness.log.lines
+                    if 'cpu_latency_us 7' in text and 'refused' in text] == ['warning']
+            return
+        assert os.readlink(f'/proc/self/fd/{fd}') == CPU_LATENCY_FILE
+        if os.access(CPU_LATENCY_FILE, os.R_OK):
+            assert _cpu_latency_now() <= 7  # the least request of every holder is in force
         assert any('cpu_latency_us 7' in text for level, text in harness.log.lines
                    if level == 'info')
     finally:
         harness.close()
-    assert _cpu_latency_now() == before
+    assert harness.path._latency_fd is None
+    with contextlib.suppress(OSError):  # closed (the number may have been reused since)
+        assert os.readlink(f'/proc/self/fd/{fd}') != CPU_LATENCY_FILE

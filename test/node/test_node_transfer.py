@@ -9,11 +9,12 @@ import threading
 import time
 
 from action_msgs.msg import GoalStatus
-from flashrt_ros.node.transfer import _check_export_allowed
+from flashrt_ros.node.transfer import _Answers, _check_export_allowed
 from flashrt_ros.node_process import NodeProcess
 from flashrt_ros.runtime.errors import InvalidRequestError
 from flashrt_ros.runtime.state.capsule import CapsuleInfo
 from flashrt_ros.runtime.state.transfer import DEFAULT_CHUNK_BYTES
+from flashrt_ros.srv import ExportManifest
 from node_harness import EventLog, HOME, set_parameter, wait_active, wait_until
 import pytest
 
@@ -333,6 +334,69 @@ def test_a_manifest_request_without_answer_is_sent_again(nodes, context, lost):
     assert len(tamperer.export_ids) == {'request': 1, 'answer': 2}[lost]
     assert len(set(tamperer.export_ids)) == 1
     assert right.delete_capsule('again').success
+
+
+def _manifest_request(request_id='r1'):
+    return ExportManifest.Request(name='ctx', host_id='host', request_id=request_id)
+
+
+def _answer(answers, compute, request_id='r1'):
+    return answers.answer(_manifest_request(request_id), ExportManifest.Response(), compute)
+
+
+def test_a_repeat_gets_the_answer_of_its_first_request():
+    answers, computed = _Answers(), []
+    started, release = threading.Event(), threading.Event()
+
+    def compute(request, response):
+        computed.append(request.request_id)
+        started.set()
+        assert release.wait(10.0)
+        response.success, response.export_id = True, f'export{len(computed)}'
+        return response
+
+    out = {}
+    first = threading.Thread(target=lambda: out.update(first=_answer(answers, compute)))
+    first.start()
+    assert started.wait(10.0)
+    repeat = threading.Thread(target=lambda: out.update(repeat=_answer(answers, compute)))
+    repeat.start()
+    assert wait_until(lambda: answers._answers[('r1', 'ctx', 'host')].waiting)
+    third = _answer(answers, compute)  # one repeat waits at a time: a thread each
+    assert not third.success and 'already waited for' in third.message, third.message
+    release.set()
+    first.join(10.0)
+    repeat.join(10.0)
+    assert out['first'].export_id == 'export1' and out['repeat'] is out['first']
+    assert _answer(answers, compute) is out['first']  # answered: a late repeat at once
+    assert computed == ['r1']
+    assert _answer(answers, compute, 'r2').export_id == 'export2'  # another request
+    assert answers.answer(ExportManifest.Request(name='ctx'), ExportManifest.Response(),
+                          compute).export_id == 'export3'  # no request_id: never kept
+    assert answers.answer(ExportManifest.Request(name='ctx'), ExportManifest.Response(),
+                          compute).export_id == 'export4'
+
+
+def test_a_repeat_of_a_failed_request_fails_and_old_answers_go():
+    answers = _Answers(size=2)
+
+    def fail(request, response):
+        raise RuntimeError('the export failed')
+
+    with pytest.raises(RuntimeError):
+        _answer(answers, fail)
+    again = _answer(answers, fail)
+    assert not again.success and 'failed' in again.message, again.message
+    computed = []
+
+    def compute(request, response):
+        computed.append(request.request_id)
+        response.success = True
+        return response
+
+    for request_id in ('a', 'b', 'c', 'a'):  # two kept: 'a' went when 'c' came
+        assert _answer(answers, compute, request_id).success
+    assert computed == ['a', 'b', 'c', 'a']
 
 
 def test_a_dripping_sender_is_given_up_at_the_deadline(nodes, context):
