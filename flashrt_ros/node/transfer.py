@@ -37,6 +37,7 @@ WINDOW = 4
 MIN_RATE_BYTES_S = 64 << 10
 RATE_GRACE_S = 5.0
 MAX_SOURCES = 16  # cached clients of source nodes; the oldest go beyond this
+CLOSE_ANSWER_S = 10.0  # a close of an export left unanswered this long is dropped
 # The receiver sends its manifest request once more, with the same request_id, when no
 # answer came within this: a node that has not yet discovered the receiver's reply reader
 # drops its answer (rmw_fastrtps waits 100 ms for the match), as a freshly started sender
@@ -60,6 +61,7 @@ class CapsuleTransfer:
         self._group = ReentrantCallbackGroup()
         self._clients = collections.OrderedDict()  # source node -> (manifest, chunk) clients
         self._clients_lock = threading.Lock()
+        self._closing = collections.deque()  # (sent at, client, future) of export closes
         self._importing = threading.Lock()  # held from goal acceptance to its result
         self._answers = _Answers()
         self._host = host_id()
@@ -302,9 +304,16 @@ class CapsuleTransfer:
         """Ask the source to drop an export we will not finish (no wait: it may be gone)."""
         try:
             _, chunk_cli = self._clients_of(source)
-            chunk_cli.call_async(ExportChunk.Request(export_id=export_id, close=True))
+            future = chunk_cli.call_async(ExportChunk.Request(export_id=export_id, close=True))
         except Exception:  # noqa: B902 - best effort; the export expires on its own anyway
-            pass
+            return
+        now = time.monotonic()
+        with self._clients_lock:  # the closes sent before, answered or given up
+            closing = self._closing
+            while closing and (closing[0][2].done() or now - closing[0][0] > CLOSE_ANSWER_S):
+                _, client, old = closing.popleft()
+                client.remove_pending_request(old)  # nothing when it was answered
+            closing.append((now, chunk_cli, future))
 
 
 def _call(client, request, source, limits, resend_after=None):

@@ -9,7 +9,8 @@ import threading
 import time
 
 from action_msgs.msg import GoalStatus
-from flashrt_ros.node.transfer import _Answers, _check_export_allowed
+from flashrt_ros.node import transfer
+from flashrt_ros.node.transfer import _Answers, _check_export_allowed, CapsuleTransfer
 from flashrt_ros.node_process import NodeProcess
 from flashrt_ros.runtime.errors import InvalidRequestError
 from flashrt_ros.runtime.state.capsule import CapsuleInfo
@@ -397,6 +398,25 @@ def test_a_repeat_of_a_failed_request_fails_and_old_answers_go():
     for request_id in ('a', 'b', 'c', 'a'):  # two kept: 'a' went when 'c' came
         assert _answer(answers, compute, request_id).success
     assert computed == ['a', 'b', 'c', 'a']
+
+
+def test_a_close_left_unanswered_is_dropped_from_its_client(monkeypatch):
+    import rclpy
+    from rclpy.signals import SignalHandlerOptions
+    context = rclpy.Context()
+    rclpy.init(context=context, signal_handler_options=SignalHandlerOptions.NO)
+    node = rclpy.create_node('closer', context=context)
+    try:
+        sender = CapsuleTransfer(node)
+        monkeypatch.setattr(transfer, 'CLOSE_ANSWER_S', 0.0)
+        _, chunk = sender._clients_of('/nobody/flashrt')  # no such node: no answer ever
+        sender._close_export('/nobody/flashrt', 'e1')
+        assert len(chunk._pending_requests) == 1
+        sender._close_export('/nobody/flashrt', 'e2')  # e1 given up, e2 waits
+        assert len(chunk._pending_requests) == 1
+    finally:
+        node.destroy_node()
+        rclpy.try_shutdown(context=context)
 
 
 def test_a_dripping_sender_is_given_up_at_the_deadline(nodes, context):
