@@ -40,7 +40,12 @@ class RosOutputs(Outputs):
 
     def event(self, operation, name, tier, size_bytes, latency_ms, success, message,
               stamp=None, stages=()):
-        """Queue a CapsuleEvent, stamped now (or `stamp`), for the events thread."""
+        """
+        Publish a CapsuleEvent, stamped now (or `stamp`), in order with the others.
+
+        An interrupt's (it has `stages`) goes out from the calling thread when nothing is
+        queued before it; the others from the events thread.
+        """
         node = self._node
         if not node.active:
             return
@@ -51,7 +56,7 @@ class RosOutputs(Outputs):
                   'success': bool(success), 'message': message}
         if stages:
             self.interrupt_stages.add(stages)
-        self._events.put(fields, stamp or node.get_clock().now(), stages)
+        self._events.put(fields, stamp or node.get_clock().now(), stages, now=bool(stages))
 
     def evictions(self):
         """Report capsules the lru budget policy evicted to make room."""

@@ -28,8 +28,9 @@ class InterruptMode(enum.IntEnum):
 
 # The e-stop path's stages, in order: the callback started; the session's checks done (the
 # mode quiet, the turn marked); the runtime's preemption armed; the step in flight left (or
-# the lock taken where none ran); the capsule's bytes copied; the state restored, as reported.
-STAGES = ('callback', 'checked', 'armed', 'step_left', 'copied', 'restored')
+# the lock taken where none ran); the capsule's bytes copied; the state restored, as reported;
+# the interrupted turn over (the event goes out after it).
+STAGES = ('callback', 'checked', 'armed', 'step_left', 'copied', 'restored', 'ended')
 
 # interrupt_policy parameter value -> the mode it stands for
 POLICY_MODES = {'stop': InterruptMode.STOP, 'rollback': InterruptMode.ROLLBACK,
@@ -130,8 +131,10 @@ class Interrupts:
                     turn.replaced_by = ''  # refused (checked before anything stopped)
                 raise
             at = time.time(), self._out.now()
-            if turn is not None and not turn.done.wait(self._param('interrupt_timeout')):
-                message += '; the interrupted turn did not end within interrupt_timeout'
+            if turn is not None:
+                if not turn.done.wait(self._param('interrupt_timeout')):
+                    message += '; the interrupted turn did not end within interrupt_timeout'
+                stages['ended'] = time.time()
         return info, message, at
 
     def after_cancel(self, turn):

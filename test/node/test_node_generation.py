@@ -145,9 +145,10 @@ def test_interrupt_restore_topic(client, at_home, events):
     assert event.position == len('You are a helpful robot.')
     assert client.state_digest() == at_home
     # Where its time went: each stage after the middleware's receipt (not after the
-    # callback: the control path takes the message's info), in order, ending at 'published'.
+    # callback: the control path takes the message's info), in order, ending at 'published'
+    # (after 'ended': the interrupted turn is over first).
     assert list(event.stage_names) == ['callback', 'checked', 'armed', 'step_left', 'copied',
-                                       'restored', 'published']
+                                       'restored', 'ended', 'published']
     stages = dict(zip(event.stage_names, event.stage_ms))
     assert 0.0 < stages['callback'] and list(event.stage_ms) == sorted(event.stage_ms)
     assert abs(stages['restored'] - event.latency_ms) < 1e-6
