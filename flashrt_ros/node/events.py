@@ -1,4 +1,4 @@
-"""~/events: capsule operation telemetry, published by a thread of its own."""
+"""~/events: capsule operation telemetry, published in order by a thread of its own."""
 
 import collections
 import queue
@@ -40,7 +40,7 @@ class EventPublisher:
         says each stage's time after receipt, and 'published' last. now: publish it on this
         thread unless events put before it are still queued.
         """
-        if now:
+        if now and not self._queued:  # (else it would only wait for the lock to queue it)
             with self._publishing:  # after the event being published, if any
                 if not self._queued:
                     self._publish(fields, stamp, stages)
@@ -50,10 +50,12 @@ class EventPublisher:
             self._queue.put((fields, stamp, stages))
 
     def flush(self, timeout=1.0):
-        """Wait until the events queued so far are published."""
+        """Wait until the events put so far are published."""
         marker = threading.Event()
         self._queue.put(marker)
-        marker.wait(timeout)
+        if marker.wait(timeout):
+            with self._publishing:  # one published on its caller's thread meanwhile
+                pass
 
     def close(self, timeout=2.0):
         """Publish what is queued, then end the thread."""

@@ -29,7 +29,7 @@ class InterruptMode(enum.IntEnum):
 # The e-stop path's stages, in order: the callback started; the session's checks done (the
 # mode quiet, the turn marked); the runtime's preemption armed; the step in flight left (or
 # the lock taken where none ran); the capsule's bytes copied; the state restored, as reported;
-# the interrupted turn over (the event goes out after it).
+# the turn a restore or rollback interrupted over (the event goes out after it).
 STAGES = ('callback', 'checked', 'armed', 'step_left', 'copied', 'restored', 'ended')
 
 # interrupt_policy parameter value -> the mode it stands for
@@ -132,9 +132,10 @@ class Interrupts:
                 raise
             at = time.time(), self._out.now()
             if turn is not None:
-                if not turn.done.wait(self._param('interrupt_timeout')):
+                if turn.done.wait(self._param('interrupt_timeout')):
+                    stages['ended'] = time.time()
+                else:
                     message += '; the interrupted turn did not end within interrupt_timeout'
-                stages['ended'] = time.time()
         return info, message, at
 
     def after_cancel(self, turn):
