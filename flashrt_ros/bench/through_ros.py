@@ -210,7 +210,10 @@ def _wait_ready(client, services, node_proc):
     while time.monotonic() < deadline and node_proc.proc.poll() is None:
         if not all(s.wait_for_service(timeout_sec=0.2) for s in services):
             continue
-        _, response = client.call(restore, Restore.Request(name=HOME))
+        try:
+            _, response = client.call(restore, Restore.Request(name=HOME))
+        except TimeoutError:  # a first reply the node sent before it had matched our reader
+            continue
         if response.success:
             return
         time.sleep(0.2)
