@@ -270,6 +270,22 @@ class _Tamperer:
         rclpy.try_shutdown(context=self.context)
 
 
+def _import_through(tamperer, right, name):
+    """
+    Import LEFT's 'ctx' as `name` through the relay over DDS chunks; close the relay.
+
+    Each relayed call is two DDS round trips; they get more than the 3 s the killed-sender
+    test relies on. The relay changes chunks, not the sender's shared copy.
+    """
+    assert set_parameter(right, 'transfer_timeout', 15.0).successful
+    try:
+        with _dds_chunks(right):
+            return right.import_capsule('/tamper/flashrt', 'ctx', name=name, tier='host')
+    finally:
+        set_parameter(right, 'transfer_timeout', MODEL['transfer_timeout'])
+        tamperer.close()
+
+
 def test_corrupted_chunk_refused_at_the_checksum(nodes, context):
     clients, _ = nodes
     right = clients[RIGHT]
@@ -277,16 +293,7 @@ def test_corrupted_chunk_refused_at_the_checksum(nodes, context):
     digest, before = right.state_digest(), _listing(right)
     tamperer = _Tamperer()
     tamperer.warm(right)
-    # Each relayed call is two DDS round trips; give them more than the 3 s the killed-sender
-    # test relies on.
-    assert set_parameter(right, 'transfer_timeout', 15.0).successful
-    try:
-        with _dds_chunks(right):  # the relay changes chunks, not the sender's shared copy
-            result = right.import_capsule('/tamper/flashrt', 'ctx', name='tampered',
-                                          tier='host')
-    finally:
-        set_parameter(right, 'transfer_timeout', MODEL['transfer_timeout'])
-        tamperer.close()
+    result = _import_through(tamperer, right, 'tampered')
     assert tamperer.flipped == 1, result.message
     assert not result.success and 'failed its checksum' in result.message, result.message
     assert 'nothing was stored' in result.message
@@ -301,13 +308,7 @@ def test_a_chunk_of_the_wrong_length_is_refused_saying_so(nodes, context):
     digest, before = right.state_digest(), _listing(right)
     tamperer = _Tamperer(short=True)  # (the receiver's closing call relays offset 0 too)
     tamperer.warm(right)
-    assert set_parameter(right, 'transfer_timeout', 15.0).successful
-    try:
-        with _dds_chunks(right):
-            result = right.import_capsule('/tamper/flashrt', 'ctx', name='short', tier='host')
-    finally:
-        set_parameter(right, 'transfer_timeout', MODEL['transfer_timeout'])
-        tamperer.close()
+    result = _import_through(tamperer, right, 'short')
     assert tamperer.flipped >= 1, result.message
     assert not result.success and 'internal error' not in result.message, result.message
     chunk = DEFAULT_CHUNK_BYTES  # the receiver's transfer_chunk_bytes
@@ -322,13 +323,7 @@ def test_a_manifest_request_without_answer_is_sent_again(nodes, context, lost):
     tamperer = _Tamperer(flip=False)
     tamperer.warm(right)
     tamperer.manifests, tamperer.export_ids, tamperer.lose_next = 0, [], lost
-    assert set_parameter(right, 'transfer_timeout', 15.0).successful
-    try:
-        with _dds_chunks(right):
-            result = right.import_capsule('/tamper/flashrt', 'ctx', name='again', tier='host')
-    finally:
-        set_parameter(right, 'transfer_timeout', MODEL['transfer_timeout'])
-        tamperer.close()
+    result = _import_through(tamperer, right, 'again')
     assert result.success, result.message
     assert tamperer.manifests == 2  # the first one unanswered, sent again after a second
     # The sender answered the repeat with the export it opened for the lost answer.
