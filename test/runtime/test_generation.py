@@ -382,11 +382,14 @@ def test_streamed_text_is_decoded_incrementally_and_adds_up(make_runtime, tmp_pa
     rt.tokenizer.decode = lambda ids: seen.append(len(ids)) or decode(ids)
     gen = rt.generate(PROMPT, max_new_tokens=200, stop=(), eos=False)
     pieces = [event.text for event in gen]
+    during = len(seen)
+    text = gen.result.text
     rt.tokenizer.decode = decode
     assert len(pieces) == 200
-    assert ''.join(pieces) == gen.result.text == decode(gen.result.token_ids)
-    # Each step decodes a window of the newest tokens, not the whole turn (once at its end).
-    assert sorted(seen)[-2] < 20 and seen[-1] == 200
+    assert ''.join(pieces) == text == gen.result.text == decode(gen.result.token_ids)
+    # Each step decodes a window of the newest tokens; the whole turn is decoded once, when
+    # the result's text is first read (not while the turn ends).
+    assert max(seen[:during]) < 20 and seen[during:] == [200]
     stop = gen.result.text[150:153]
     rt.reset()
     gen = rt.generate(PROMPT, max_new_tokens=200, stop=(stop,), eos=False)

@@ -213,6 +213,28 @@ def test_preempt_between_steps_and_when_idle(make_runtime):
     assert rt.state_digest() == home
 
 
+def test_a_preempting_restore_leaves_the_turns_text_to_its_first_reader(make_runtime):
+    """The turn a restore cuts is not detokenized on the restore's path, only when read."""
+    rt = make_runtime()
+    rt.prefill(PROMPT)
+    rt.snapshot('home')
+    home = rt.state_digest()
+    gen = rt.generate(prompt=OTHER, max_new_tokens=50, stop=(), eos=False)
+    for _ in range(30):
+        next(gen)
+    seen, decode = [], rt.tokenizer.decode
+    rt.tokenizer.decode = lambda ids: seen.append(len(ids)) or decode(ids)
+    preempt = _PreemptInsideStep(rt, lambda: rt.restore('home', preempt=True))
+    with pytest.raises(StopIteration):
+        next(gen)
+    preempt.join()
+    assert preempt.error is None and rt.state_digest() == home
+    assert gen.result.stop_reason == 'interrupted' and len(gen.result.token_ids) == 30
+    assert seen == []
+    assert gen.result.text == decode(gen.result.token_ids) and seen == [30]
+    assert gen.result.text is gen.result.text and seen == [30]  # decoded once
+
+
 def test_a_restore_that_ends_a_turn_commits_nothing_it_would_drop(make_runtime):
     """The ring and the rollbacks after it are those of a turn ended, committed, then cut."""
     outcomes = []

@@ -18,10 +18,11 @@ before the commit, so that every boundary holds whole turns.
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+import functools
 import sys
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -41,7 +42,6 @@ class TokenEvent:
 @dataclass(frozen=True)
 class GenerationResult:
     token_ids: list[int]
-    text: str
     stop_reason: str  # one of STOP_REASONS
     ttft_s: float
     tokens_per_s: float
@@ -49,6 +49,14 @@ class GenerationResult:
     # Prompt tokens in the state: fewer than prompt_tokens when an interrupt cut the prefill
     # at a chunk boundary (stop_reason 'interrupted'; the state is that shorter prompt's).
     prompt_consumed: int = 0
+    # Gives `text`, on its first use: a long turn is not detokenized on the path of the
+    # restore that ends it.
+    detokenize: Callable[[], str] = field(default=lambda: '', repr=False, compare=False)
+
+    @functools.cached_property
+    def text(self) -> str:
+        """Return the turn's text, cut before its stop string (stop_reason 'stop_string')."""
+        return self.detokenize()
 
 
 @dataclass
@@ -150,6 +158,13 @@ def prefill_ids(rt, ids: list[int], stop=None) -> int:
     cursor.position += n
     cursor.pending = None
     return n - pending
+
+
+def _text(tokenizer, ids: list[int], stop: Sequence[str]) -> str:
+    """Return the text of `ids`, cut before the first of the `stop` strings in it."""
+    text = tokenizer.decode(ids)
+    found = [text.find(x) for x in stop if x in text]
+    return text[:min(found)] if found else text
 
 
 def _feed(rt, token: int) -> None:
@@ -327,21 +342,19 @@ class Generation:
             if self.result is not None:
                 return
             ids = list(self.token_ids)
-            text = rt.tokenizer.decode(ids)
-            if reason == 'stop_string':
-                text = text[: min(text.find(x) for x in self.sampling.stop if x in text)]
             n = len(ids)
             now = time.perf_counter()
             decode_s = now - self.t_first if n > 1 else 0.0
             tps = (n - 1) / decode_s if decode_s > 0 else 0.0
+            stop = self.sampling.stop if reason == 'stop_string' else ()
             self.result = GenerationResult(
                 ids,
-                text,
                 reason,
                 (self.t_first - self.t_start) if n else 0.0,
                 tps,
                 len(self.prompt_ids or ()),
                 self.prompt_consumed,
+                functools.partial(_text, rt.tokenizer, list(ids), stop),  # token_ids may change
             )
             if tps > 0:
                 rt.driver.decode_tps = tps
