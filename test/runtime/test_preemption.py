@@ -233,6 +233,7 @@ def test_a_preempting_restore_leaves_the_turns_text_to_its_first_reader(make_run
     assert seen == []
     assert gen.result.text == decode(gen.result.token_ids) and seen == [30]
     assert gen.result.text is gen.result.text and seen == [30]  # decoded once
+    assert repr(gen.result).startswith(f'GenerationResult(text={gen.result.text!r}, token_ids=')
 
 
 def test_a_restore_that_ends_a_turn_commits_nothing_it_would_drop(make_runtime):

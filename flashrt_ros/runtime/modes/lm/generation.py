@@ -18,7 +18,7 @@ before the commit, so that every boundary holds whole turns.
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 import functools
 import sys
 import time
@@ -39,7 +39,7 @@ class TokenEvent:
     text: str  # decoded piece (may be "" while a multi-byte character is incomplete)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class GenerationResult:
     token_ids: list[int]
     stop_reason: str  # one of STOP_REASONS
@@ -57,6 +57,10 @@ class GenerationResult:
     def text(self) -> str:
         """Return the turn's text, cut before its stop string (stop_reason 'stop_string')."""
         return self.detokenize()
+
+    def __repr__(self) -> str:
+        shown = ', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in fields(self) if f.repr)
+        return f'GenerationResult(text={self.text!r}, {shown})'
 
 
 @dataclass
