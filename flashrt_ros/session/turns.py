@@ -36,6 +36,7 @@ import enum
 import os
 import sys
 import threading
+from typing import Callable
 
 from flashrt_ros.runtime import BusyError, FlashRTError
 from flashrt_ros.runtime.state.capsule import validate_name, validate_tier
@@ -83,12 +84,26 @@ class TurnResult:
 
     success: bool = False
     message: str = ''
-    text: str = ''
     token_ids: list = dataclasses.field(default_factory=list)
     stop_reason: str = ''
     time_to_first_token_ms: float = 0.0
     tokens_per_second: float = 0.0
     position: int = 0
+    # The reply's text, or a callable that gives it on the first read of `text`: a turn's
+    # whole text is decoded by its first reader (a goal's result), not as the turn ends,
+    # where an interrupt's event waits for it; a ~/prompt turn's is never read.
+    text_source: str | Callable[[], str] = dataclasses.field(default='', repr=False)
+
+    @property
+    def text(self) -> str:
+        """Return the reply's text, decoding it on the first read."""
+        if callable(self.text_source):
+            self.text_source = self.text_source()
+        return self.text_source
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self.text_source = value
 
 
 class Turn:
@@ -417,7 +432,8 @@ class TurnScheduler:
         if cancelled:
             message += '; cancelled, ' + self._after_cancel(turn)
         turn.result = TurnResult(
-            success=success, message=message, text=res.text, token_ids=list(res.token_ids),
+            success=success, message=message, text_source=lambda: res.text,
+            token_ids=list(res.token_ids),
             stop_reason=res.stop_reason, time_to_first_token_ms=res.ttft_s * 1e3,
             tokens_per_second=res.tokens_per_s, position=self._rt.position)
 

@@ -37,6 +37,19 @@ def test_a_turn_walks_its_states_in_order(make_session):
     assert turn.result.token_ids == [t for c in out.chunks for t in c['ids']]
 
 
+def test_a_turns_text_is_decoded_by_its_first_reader_not_as_it_ends(make_session):
+    session, out = make_session()
+    rt = session.runtime
+    seen, decode = [], rt.tokenizer.decode
+    rt.tokenizer.decode = lambda ids: seen.append(len(ids)) or decode(ids)
+    turn = _start(session, _turn(max_new_tokens=40))
+    assert turn.done.wait(10.0) and turn.result.success
+    ids = turn.result.token_ids
+    assert len(ids) > 20 and max(seen) < len(ids)  # the steps' windows, not the whole turn
+    assert turn.result.text == decode(ids) and seen[-1] == len(ids)
+    assert turn.result.text == decode(ids) and seen.count(len(ids)) == 1
+
+
 def test_reject_policy_counts_a_turn_out_before_its_final_chunk(make_session):
     """A client that chains the next goal on the final chunk is admitted."""
     session, out = make_session()
