@@ -26,6 +26,7 @@ from .figures import (
     fig2_ttft,
     fig3_correctness,
     fig4_decode,
+    FIG5_NODES,
     fig6_kv_only_prefix,
     Plan,
 )
@@ -67,6 +68,9 @@ def parse_args(argv=None):
                    help='torch threads of this process (default: what torch picks)')
     p.add_argument('--node-model', default='default',
                    help='model of the node process in fig5 (default %(default)s)')
+    p.add_argument('--fig5-nodes', default=','.join(FIG5_NODES),
+                   help='comma-separated control configurations of the nodes fig5 interrupts '
+                        'side by side, one node each (default %(default)s; ratios need shared)')
     p.add_argument('--peer-python', default=os.environ.get(PEER_ENV),
                    help='Python of the llama.cpp environment (make bench-peer builds '
                         f'build/peer-venv); fig4 and fig7 run llama.cpp beside the runtime '
@@ -84,6 +88,10 @@ def parse_args(argv=None):
     if unknown:
         p.error(f'unknown figures {unknown}; choose from {", ".join(FIGURES)}')
     args.only = [f for f in FIGURES if f in only]
+    nodes = tuple(n.strip() for n in args.fig5_nodes.split(',') if n.strip())
+    if not nodes or set(nodes) - set(FIG5_NODES):
+        p.error(f'--fig5-nodes: choose one or more of {", ".join(FIG5_NODES)}')
+    args.fig5_nodes = nodes
     return args
 
 
@@ -97,7 +105,8 @@ def make_plan(args, workdir):
         decode_steps=16 if quick else 32, decode_rounds=max(4, 4 * repeats),
         correctness_steps=64,
         round_trips=50 if quick else 500, interrupts=40 if quick else 2000,
-        node_model=args.node_model, workdir=workdir, transfer_model=args.model,
+        node_model=args.node_model, fig5_nodes=args.fig5_nodes, workdir=workdir,
+        transfer_model=args.model,
         transfer_context=max(lengths) if args.lengths or quick else 8192)
     if args.smoke:
         plan = dataclasses.replace(plan, decode_steps=4, decode_rounds=2, correctness_steps=12,

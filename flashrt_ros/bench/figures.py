@@ -34,6 +34,7 @@ from .peer import open_peer, peer_decode_tps, skip_reason
 PREFILL_GROWTH = 1.25  # predicted cold-prefill time grows as length ** this (a bit superlinear)
 ATTENTION_TYPES = ('full_attention', 'sliding_attention', 'attention')
 IDLE_S, IDLE_REPEATS = 0.05, 10  # fig1's restores after a quiet moment
+FIG5_NODES = ('waitset', 'waitset_rt', 'single_rt', 'shared')  # through_ros.CONTROLS' labels
 
 
 @dataclasses.dataclass
@@ -55,6 +56,7 @@ class Plan:
     workdir: str       # scratch directory (capsule files, raw-copy files)
     transfer_model: str = 'builtin:bench-hybrid'  # figure 7: the model of both node processes
     transfer_context: int = 8192  # figure 7: tokens of the hand-over vs cold prefill
+    fig5_nodes: tuple = FIG5_NODES  # figure 5: the control configurations, a node each
 
 
 def _mb_per_s(nbytes, seconds):

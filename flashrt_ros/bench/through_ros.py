@@ -111,12 +111,12 @@ def _node_params(plan, device, capsule_dir):
     }
 
 
-def _start_processes(plan, device):
+def _start_processes(plan, device, controls):
     workdir = os.path.join(plan.workdir, 'ros')
     os.makedirs(workdir, exist_ok=True)
     nodes = [NodeProcess(workdir, dict(_node_params(plan, device, os.path.join(
                  workdir, f'capsules_{name}')), **extra), name=name)
-             for _, name, extra in CONTROLS]
+             for _, name, extra in controls]
     server = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'trigger_server.py')
     triggers = [ManagedProcess([sys.executable, server] + flags,
                                os.path.join(workdir, f'trigger{suffix}.log'), workdir)
@@ -411,20 +411,18 @@ class _Target:
         return out
 
 
-def _list_at(domain, names, hz, stop):
-    """Call ~/list_capsules of each node in turn at `hz` until `stop` is set (a client)."""
+def _list_at(domain, names, current, hz, stop):
+    """Call ~/list_capsules of the node named current[0] at `hz` until `stop` is set."""
     from flashrt_ros.srv import ListCapsules
 
     lister = _BareClient(domain, 'lister')
     try:
-        clients = [lister.node.create_client(ListCapsules, f'/{n}/list_capsules')
-                   for n in names]
-        calls = 0
+        clients = {n: lister.node.create_client(ListCapsules, f'/{n}/list_capsules')
+                   for n in names}
         while not stop.wait(1.0 / hz):
-            client = clients[calls % len(clients)]
+            client = clients[current[0]]
             if client.service_is_ready():
                 lister.call(client, ListCapsules.Request())
-            calls += 1
     finally:
         lister.close()
 
@@ -435,7 +433,8 @@ def _interrupts(client, domain, targets, n, log):
 
     n RESTORE interrupts and n // 2 resets per node, blocks of BLOCK alternating between
     the nodes so that a burst of load falls on both; meanwhile a second client calls
-    ~/list_capsules at LIST_HZ and this one takes ~/tokens and ~/events.
+    ~/list_capsules of the node being interrupted at LIST_HZ and this one takes ~/tokens and
+    ~/events.
     """
     client.spin_in_background()
     deadline = time.monotonic() + 10.0
@@ -446,14 +445,15 @@ def _interrupts(client, domain, targets, n, log):
     time.sleep(0.5)  # let ~/tokens and ~/events match too
     for target in targets:
         target.warm_up()
-    stop = threading.Event()
+    stop, current = threading.Event(), [targets[0].name]
     lister = threading.Thread(target=_list_at, daemon=True,
-                              args=(domain, [t.name for t in targets], LIST_HZ, stop))
+                              args=(domain, [t.name for t in targets], current, LIST_HZ, stop))
     lister.start()
     plan = [('interrupt', i) for i in range(n)] + [('reset', i) for i in range(n // 2)]
     try:
         for block in range(0, len(plan), BLOCK):
             for target in targets:
+                current[0] = target.name
                 for kind, i in plan[block:block + BLOCK]:
                     miss = target.one_turn(i, kind, 0)
                     if miss:
@@ -481,12 +481,13 @@ def fig5_through_ros(plan, device, log):
     from std_srvs.srv import Trigger
 
     domain = _isolate(log)
-    node_procs, trigger_procs = _start_processes(plan, device)
+    controls = [c for c in CONTROLS if c[0] in plan.fig5_nodes]
+    node_procs, trigger_procs = _start_processes(plan, device, controls)
     client = None
     try:
         client = _BareClient(domain)
         restores = [client.node.create_client(Restore, f'/{name}/restore')
-                    for _, name, _ in CONTROLS]
+                    for _, name, _ in controls]
         services = [restores[0], client.node.create_client(Trigger, f'/{TRIGGER_NODE}/trigger'),
                     client.node.create_client(Trigger, f'/{TRIGGER_NODE}_mt/trigger')]
         log(f'fig5 waiting for the nodes ({plan.node_model}) and the Trigger servers')
@@ -496,7 +497,9 @@ def fig5_through_ros(plan, device, log):
         result = {'title': 'Through ROS: service round-trips and interrupt -> restored',
                   'node_model': plan.node_model, 'ros_domain_id': domain}
         result.update(_round_trips(client, *services, plan.round_trips, log))
-        targets = [_Target(client, name, label) for label, name, _ in CONTROLS]
+        for proc in trigger_procs:  # part A's only: not left idling beside the interrupts
+            proc.stop(signal.SIGTERM)
+        targets = [_Target(client, name, label) for label, name, _ in controls]
         result['controls'] = _interrupts(client, domain, targets, plan.interrupts, log)
     finally:
         if client is not None:
@@ -506,15 +509,15 @@ def fig5_through_ros(plan, device, log):
     result['exit_codes'] = codes
     result['interrupts'] = plan.interrupts
     result['resets'] = plan.interrupts // 2
-    before = result['controls']['shared']
+    before = result['controls'].get('shared')
     result['ratios_shared_over'] = {
         label: {kind: {key: {q: ratio(before[kind][key][q], ours[kind][key][q])
                              for q in ('median', 'p99', 'max')}
                        for key in ('received_to_restored', 'published_to_restored')}
                 for kind in ('interrupt', 'reset')}
-        for label, ours in result['controls'].items() if label != 'shared'}
+        for label, ours in result['controls'].items() if before and label != 'shared'}
     result['targets'] = {label: _targets(result['controls'][label])
-                         for label in ('waitset', 'waitset_rt')}
+                         for label in ('waitset', 'waitset_rt') if label in result['controls']}
     result['target'] = ('node adds <= 0.5 ms to a bare Trigger round-trip (median); on the '
                         'control path, received -> restored median <= 0.5, p99 <= 1.0, max <= '
                         '3 ms and published -> restored median <= 0.8, p99 <= 1.5 ms, for '
