@@ -20,6 +20,7 @@ from .errors import FlashRTError
 from .inference import inference
 from .models.base import CausalLMAdapter
 from .models.pieces import preemptible
+from .models.widen import widened
 from .state.arena import StateSpec
 
 PREFILL_CHUNK = 2048  # tokens per prefill forward: bounds activation memory for long prompts
@@ -114,7 +115,7 @@ class Engine:
         while end < t.shape[1] and not (end and stop is not None and stop()):
             chunk = t[:, end:end + PREFILL_CHUNK]  # [1, <=C]
             end += chunk.shape[1]
-            with preemptible(self.prefill_pieces):
+            with preemptible(self.prefill_pieces), widened():
                 out = self.adapter.forward(chunk, kv_len=position + end)  # [1, V]
         self.logits.copy_(out[0])
         return end
