@@ -53,7 +53,8 @@ class RuntimeStats:
     cuda_graph_note: str | None  # why not, when it does not
     cuda_graph_replays: int
     # 'function:package' per fast-kernel binding of the model's transformers code
-    # ('function:reference' where its torch code runs: every one on CPU); () when none
+    # ('function:reference' where its torch code runs: every one on CPU), and
+    # 'bf16_linear:float32' where a bf16 prefill's products are widened (models/widen.py)
     kernels: tuple[str, ...]
     control_step_s: float | None = None  # the last act() (policy mode; None for an LM)
     # Temp files in capsule_dir: disk writes in progress, or left by a killed process until

@@ -42,7 +42,7 @@ class StateAdapter(ABC):
     # read their argument (never keep or change it): the runtime then skips the copies that
     # keep a capsule's meta apart from the adapter's objects.
     meta_trusted: bool = False
-    kernels: tuple[str, ...] = ()  # fast-kernel bindings in use (models/kernels.py)
+    kernels: tuple[str, ...] = ()  # kernel bindings in use (models/kernels.py, widen.py)
 
     @abstractmethod
     def state_specs(self) -> list[StateSpec]:

@@ -122,8 +122,8 @@ class HFCausalLMAdapter(BindingDelegate, CausalLMAdapter):
         self.device, self.dtype = first.device, first.dtype
         self.kernels = route_kernels(self.model, self.device)  # before the probe runs them
         pieces.install(self.model)
-        if self.dtype == torch.bfloat16 and self.device.type == 'cpu' and widen.install():
-            self.kernels += (widen.KERNEL,)
+        if widen.install(self.model):
+            self.kernels = tuple(sorted(self.kernels + (widen.KERNEL,)))
         self.binding = CacheBinding(self.model.config, max_seq_len, self.family, self._probe)
         self.cache = self.binding.cache
         self.fastpath: DecodeFastPath | None = None  # built in bind(), when the model allows
