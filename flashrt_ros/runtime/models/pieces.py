@@ -45,23 +45,24 @@ _mode = threading.local()  # .short, .pieces: how this thread's forwards run
 
 
 @contextlib.contextmanager
-def _switched(name: str, on: bool):
-    before = getattr(_mode, name, False)
-    setattr(_mode, name, on)
+def switched(mode: threading.local, name: str, on: bool):
+    """Set this thread's flag `name` of `mode` to `on` inside; the one before after."""
+    before = getattr(mode, name, False)
+    setattr(mode, name, on)
     try:
         yield
     finally:
-        setattr(_mode, name, before)
+        setattr(mode, name, before)
 
 
 def recurrent_rule(on: bool = True):
     """Run this thread's gated-delta forwards token by token inside."""
-    return _switched('short', on)
+    return switched(_mode, 'short', on)
 
 
 def preemptible(on: bool = True):
     """Run this thread's long CPU operations in pieces inside, meeting preemptions between."""
-    return _switched('pieces', on)
+    return switched(_mode, 'pieces', on)
 
 
 def _in_pieces(rows: torch.Tensor, dim: int) -> bool:

@@ -17,7 +17,6 @@ for anything but a bf16 CPU input.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import time
@@ -26,21 +25,17 @@ import types
 import torch
 import torch.nn.functional as F
 
+from .pieces import switched
+
 WIDEN_ROWS = 16  # rows from which widening pays where it is needed (bf16 cost grows per row)
 KERNEL = 'bf16_linear:float32'  # its entry in Runtime.stats().kernels when bound
 _PROBE = (WIDEN_ROWS, 1024, 1024)  # rows, inputs, outputs of the timed product
 _mode = threading.local()
 
 
-@contextlib.contextmanager
 def widened(on: bool = True):
     """Run this thread's bound products of WIDEN_ROWS rows or more in float32 inside."""
-    before = getattr(_mode, 'on', False)
-    _mode.on = on
-    try:
-        yield
-    finally:
-        _mode.on = before
+    return switched(_mode, 'on', on)
 
 
 def _best_ms(fn, repeats=3) -> float:
@@ -95,8 +90,7 @@ def bind(model: torch.nn.Module) -> int:
 def unbind(model: torch.nn.Module) -> None:
     """Give every module of `model` its class's forward back."""
     for m in model.modules():
-        if isinstance(m.__dict__.get('forward'), types.MethodType) and (
-                m.__dict__['forward'].__func__ is _forward):
+        if getattr(m.__dict__.get('forward'), '__func__', None) is _forward:
             del m.forward
 
 
